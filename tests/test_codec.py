@@ -1,0 +1,439 @@
+"""The pure codec: messages <-> frames, tensors of every kind, and hostile input."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from transport import (
+    PROTOCOL_VERSION,
+    Codec,
+    Extension,
+    LocalProtocolError,
+    Message,
+    MessageTooLargeError,
+    MessageType,
+    ProtocolError,
+    RemoteProtocolError,
+)
+from transport.tensors import DTYPES_BY_NAME
+
+CODEC = Codec()
+
+
+def round_trip(payload, codec: Codec = CODEC):
+    frames = CODEC.encode(Message(MessageType.PYTHON_CALL, 42, "w0", payload)) if codec is CODEC else codec.encode(
+        Message(MessageType.PYTHON_CALL, 42, "w0", payload)
+    )
+    # What arrives from a socket is bytes-like; exercise that path, not the sender's objects.
+    message = codec.decode([bytes(memoryview(f)) for f in frames])
+    assert (message.type, message.id, message.sender) == (MessageType.PYTHON_CALL, 42, "w0")
+    return message.payload, frames
+
+
+def assert_same_tensor(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype
+    assert got.shape == want.shape
+    assert got.layout == want.layout
+    assert got.requires_grad == want.requires_grad
+    if want.is_sparse:
+        assert got.is_coalesced() == want.is_coalesced()
+        assert torch.equal(got._indices(), want._indices())
+        assert_same_tensor(got._values().detach(), want._values().detach())
+        return
+    # Compare bit patterns: NaNs, and dtypes without comparison kernels, compare too.
+    assert packed_bytes(got.detach()) == packed_bytes(want.detach())
+
+
+def packed_bytes(tensor: torch.Tensor) -> bytes:
+    packed = torch.empty(tensor.shape, dtype=tensor.dtype)  # fresh: standard strides
+    if tensor.numel():
+        packed.copy_(tensor)
+    return ctypes.string_at(packed.data_ptr(), packed.numel() * packed.element_size())
+
+
+def random_tensor(dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    nbytes = max(1, torch.Size(shape).numel()) * dtype.itemsize
+    raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype)[: torch.Size(shape).numel()].reshape(shape)
+
+
+# ------------------------------------------------------------------------------ structure
+
+
+def test_structure_and_builtin_types_round_trip():
+    payload = {
+        "tuple": (1, 2.5, "s", None, True, b"raw"),
+        "nested": [(1, [2, (3,)]), {"k": (4, 5)}],
+        "size": torch.Size([2, 3]),
+        "dtypes": [torch.float32, torch.bfloat16, torch.qint8, torch.complex64],
+        "device": torch.device("cpu"),
+        "int_keys": {1: "a", 2: "b"},
+        "big": 2**63,
+    }
+    got, _ = round_trip(payload)
+    assert got == payload
+    assert type(got["tuple"]) is tuple and type(got["nested"][0]) is tuple
+    assert type(got["size"]) is torch.Size
+
+
+def test_message_fields_and_envelope_layout():
+    frames = CODEC.encode(Message(MessageType.BACKWARD_AUTOGRAD_REQ, 2**64 - 1, 7, torch.ones(3)))
+    assert len(frames) == 2  # envelope + one tensor frame
+    envelope = msgpack.unpackb(frames[0])
+    assert envelope[:4] == [PROTOCOL_VERSION, int(MessageType.BACKWARD_AUTOGRAD_REQ), 2**64 - 1, 7]
+    message = CODEC.decode(frames)
+    assert message.type is MessageType.BACKWARD_AUTOGRAD_REQ and message.sender == 7
+
+
+def test_seed_message_type_names_exist():
+    for name in (
+        "FORWARD_AUTOGRAD_REQ", "FORWARD_AUTOGRAD_RESP", "BACKWARD_AUTOGRAD_REQ", "BACKWARD_AUTOGRAD_RESP",
+        "CLEANUP_AUTOGRAD_CONTEXT_REQ", "CLEANUP_AUTOGRAD_CONTEXT_RESP", "RREF_USER_DELETE",
+        "RREF_FORK_REQUEST", "RREF_CHILD_ACCEPT", "EXCEPTION", "RUN_WITH_PROFILING_REQ",
+    ):
+        assert MessageType.by_name(name).name == name
+
+
+def test_message_types_are_extensible_and_unique():
+    custom = MessageType.register("TEST_CUSTOM_PING", 900)
+    assert MessageType.register("TEST_CUSTOM_PING", 900) is custom
+    with pytest.raises(ValueError):
+        MessageType.register("TEST_OTHER", 900)
+    with pytest.raises(ValueError):
+        MessageType.register("TEST_CUSTOM_PING", 901)
+    assert CODEC.decode(CODEC.encode(Message(custom, 1, "a", None))).type is custom
+
+
+def test_extension_and_fallback():
+    class Point:
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+    point_ext = Extension(20, Point, lambda p: [p.x, p.y], lambda v: Point(*v))
+    codec = Codec(extensions=[point_ext])
+    got, frames = round_trip({"p": Point(torch.arange(3), (1, 2))}, codec)
+    assert isinstance(got["p"], Point) and torch.equal(got["p"].x, torch.arange(3))
+    assert got["p"].y == (1, 2) and len(frames) == 2  # the tensor inside went as a frame
+
+    class Opaque:
+        pass
+
+    with pytest.raises(LocalProtocolError, match="cannot encode an object of type"):
+        CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", Opaque()))
+    fallback_ext = Extension(21, object, lambda o: None, lambda v: "rebuilt")
+    codec = Codec(extensions=[fallback_ext], fallback=lambda obj: (fallback_ext, "state"))
+    assert round_trip([Opaque()], codec)[0] == ["rebuilt"]
+
+
+def test_invalid_messages_are_refused_on_encode():
+    with pytest.raises(LocalProtocolError):
+        CODEC.encode(Message(MessageType.PYTHON_CALL, -1, "a"))
+    with pytest.raises(LocalProtocolError):
+        CODEC.encode(Message(12345, 1, "a"))
+    with pytest.raises(LocalProtocolError):
+        CODEC.encode(Message(MessageType.PYTHON_CALL, 1, 3.5))
+    with pytest.raises(LocalProtocolError, match="dtype"):
+        quantized = torch._empty_affine_quantized([2], scale=0.1, zero_point=0, dtype=torch.qint8)
+        CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", quantized))
+    with pytest.raises(LocalProtocolError, match="layout"):
+        CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", torch.ones(2, 2).to_sparse_csc()))
+
+
+# -------------------------------------------------------------------------------- tensors
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES_BY_NAME))
+def test_every_dtype_round_trips(name):
+    dtype = DTYPES_BY_NAME[name]
+    for shape in ([], [0], [5], [3, 4], [2, 0, 3]):
+        tensor = random_tensor(dtype, shape)
+        got, _ = round_trip(tensor)
+        assert_same_tensor(got, tensor)
+
+
+def test_zero_dim_empty_and_requires_grad():
+    tensors = [torch.tensor(3.5), torch.empty(0, 7), torch.ones(2, 2, requires_grad=True), torch.tensor(True)]
+    got, _ = round_trip(tensors)
+    for g, t in zip(got, tensors):
+        assert_same_tensor(g, t)
+    assert got[2].is_leaf and got[2].grad_fn is None
+
+
+def test_views_send_only_the_bytes_they_cover():
+    base = torch.randn(1000, 1000)
+    views = {
+        "row slice": base[10:12],  # contiguous, offset into a big storage
+        "column slice": base[:, 3:5],  # strided: compacted
+        "transpose": base[:4, :6].t(),  # compacted (not dense over its span)
+        "step": base[0, ::7],
+        "expanded": torch.ones(3, 1).expand(3, 100),  # zero strides: materialised
+    }
+    for what, view in views.items():
+        got, frames = round_trip(view)
+        assert torch.equal(got, view), what
+        assert memoryview(frames[1]).nbytes == view.numel() * 4, what
+
+
+def test_dense_permutations_keep_their_strides_without_copy():
+    base = torch.randn(64, 128, 32)
+    view = base.permute(2, 0, 1)  # dense over the whole storage, not contiguous
+    frames = CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", view))
+    assert ctypes.addressof(frames[1]) == base.data_ptr()  # sent from the tensor's own memory
+    got = CODEC.decode(frames).payload
+    assert torch.equal(got, view) and got.stride() == view.stride()
+
+
+def test_conjugate_and_negative_views_are_resolved():
+    z = torch.randn(4, dtype=torch.complex64)
+    got, _ = round_trip([z.conj(), torch._neg_view(z)])
+    assert torch.equal(got[0], z.conj().resolve_conj())
+    assert torch.equal(got[1], -z)
+
+
+def test_large_frames_are_zero_copy_and_received_tensors_writable():
+    tensor = torch.randn(1 << 16)  # 256 KiB, above the copy threshold
+    frames = CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", tensor))
+    assert ctypes.addressof(frames[1]) == tensor.data_ptr()
+    received = bytearray(memoryview(frames[1]))  # what a socket hands over: a writable buffer
+    got = CODEC.decode([frames[0], received]).payload
+    assert ctypes.addressof(ctypes.c_char.from_buffer(received)) == got.data_ptr()  # no copy
+    got.add_(1)  # writable, and it owns (keeps alive) the frame memory
+    del received
+    assert torch.allclose(got, tensor + 1)
+
+
+def test_small_frames_are_snapshots():
+    tensor = torch.zeros(4)
+    frames = CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", tensor))
+    tensor.add_(1)  # after encode: must not change what is sent
+    assert torch.equal(CODEC.decode(frames).payload, torch.zeros(4))
+
+
+def test_misaligned_frames_are_realigned():
+    tensor = torch.arange(16, dtype=torch.float64)
+    frames = CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", tensor))
+    backing = bytearray(len(memoryview(frames[1])) + 1)
+    shifted = memoryview(backing)[1:]
+    shifted[:] = memoryview(frames[1]).cast("B")
+    got = CODEC.decode([frames[0], shifted]).payload
+    assert got.data_ptr() % 8 == 0 and torch.equal(got, tensor)
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_sparse_coo_round_trips(coalesce):
+    indices = torch.tensor([[0, 2, 0, 1], [1, 0, 1, 3]])
+    values = torch.randn(4, 2)  # hybrid: one dense dim
+    sparse = torch.sparse_coo_tensor(indices, values, (3, 4, 2))
+    if coalesce:
+        sparse = sparse.coalesce()
+    got, frames = round_trip(sparse)
+    assert len(frames) == 3  # envelope, indices, values
+    assert_same_tensor(got, sparse)
+    assert torch.equal(got.to_dense(), sparse.to_dense())
+
+
+def test_sparse_gradient_from_embedding_bag_round_trips():
+    bag = torch.nn.EmbeddingBag(10, 3, sparse=True)
+    bag(torch.tensor([1, 2, 4, 5, 4]), torch.tensor([0, 2])).sum().backward()
+    got, _ = round_trip(bag.weight.grad)
+    assert torch.equal(got.to_dense(), bag.weight.grad.to_dense())
+
+
+# ------------------------------------------------------------------- property: round trip
+
+
+@st.composite
+def tensors(draw):
+    dtype = DTYPES_BY_NAME[draw(st.sampled_from(sorted(DTYPES_BY_NAME)))]
+    shape = draw(st.lists(st.integers(0, 6), min_size=0, max_size=4))
+    tensor = random_tensor(dtype, shape)
+    kind = draw(st.sampled_from(["plain", "slice", "transpose", "sparse"]))
+    if kind == "slice" and tensor.dim() and tensor.shape[0] > 1:
+        tensor = tensor[draw(st.integers(0, tensor.shape[0] - 1)) :: draw(st.integers(1, 3))]
+    elif kind == "transpose" and tensor.dim() >= 2:
+        tensor = tensor.transpose(0, tensor.dim() - 1)
+    elif kind == "sparse" and tensor.dim() and dtype in (torch.float32, torch.float64, torch.int64, torch.complex64):
+        tensor = tensor.to_sparse(draw(st.integers(1, tensor.dim())))
+        if draw(st.booleans()):
+            tensor = tensor.coalesce()
+    if draw(st.booleans()) and (dtype.is_floating_point or dtype.is_complex) and not tensor.is_sparse:
+        tensor = tensor.detach().requires_grad_(dtype in (torch.float32, torch.float64, torch.complex64))
+    return tensor
+
+
+payloads = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8)
+    | tensors(),
+    lambda children: st.lists(children, max_size=3)
+    | st.lists(children, max_size=3).map(tuple)
+    | st.dictionaries(st.text(max_size=4), children, max_size=3),
+    max_leaves=8,
+)
+
+
+def assert_same_payload(got, want):
+    assert type(got) is type(want) or (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor))
+    if isinstance(want, torch.Tensor):
+        assert_same_tensor(got, want)
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same_payload(g, w)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert_same_payload(got[key], want[key])
+    else:
+        assert got == want
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payloads)
+def test_property_any_payload_round_trips(payload):
+    got, _ = round_trip(payload)
+    assert_same_payload(got, payload)
+
+
+# ----------------------------------------------------------------------- hostile input
+
+
+def valid_frames() -> list[bytes]:
+    payload = {"t": torch.randn(3, 4), "s": torch.randn(4, 4).to_sparse(), "x": (1, "a")}
+    return [bytes(memoryview(f)) for f in CODEC.encode(Message(MessageType.PYTHON_CALL, 9, "w1", payload))]
+
+
+def decode_or_protocol_error(frames) -> None:
+    try:
+        CODEC.decode(frames)
+    except ProtocolError:
+        pass  # the only acceptable failure
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=4))
+def test_property_random_bytes_only_raise_protocol_errors(frames):
+    decode_or_protocol_error(frames)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_property_truncated_and_corrupted_messages_only_raise_protocol_errors(data):
+    frames = valid_frames()
+    index = data.draw(st.integers(0, len(frames) - 1))
+    frame = bytearray(frames[index])
+    action = data.draw(st.sampled_from(["truncate", "flip", "drop", "duplicate"]))
+    if action == "truncate":
+        frames[index] = bytes(frame[: data.draw(st.integers(0, max(0, len(frame) - 1)))])
+    elif action == "flip" and frame:
+        for _ in range(data.draw(st.integers(1, 4))):
+            position = data.draw(st.integers(0, len(frame) - 1))
+            frame[position] = data.draw(st.integers(0, 255))
+        frames[index] = bytes(frame)
+    elif action == "drop":
+        del frames[index]
+    else:
+        frames.insert(index, frames[index])
+    decode_or_protocol_error(frames)
+
+
+def forge(envelope=None, payload=None, buffers=()):
+    """Frames with a hand-made envelope or payload (tensor descriptors as ext type 1)."""
+    if envelope is None:
+        envelope = [PROTOCOL_VERSION, int(MessageType.PYTHON_CALL), 1, "w", msgpack.packb(payload, use_bin_type=True)]
+    return [msgpack.packb(envelope, use_bin_type=True), *buffers]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def tensor_ext(descriptor):
+    return msgpack.ExtType(1, msgpack.packb(descriptor))
+
+
+MALFORMED = {
+    "wrong version": (forge([99, 16, 1, "w", b""]), "unsupported protocol version 99"),
+    "version as float": (forge([1.0, 16, 1, "w", b""]), "protocol version"),
+    "unknown type": (forge([PROTOCOL_VERSION, 9999, 1, "w", b""]), "unknown message type 9999"),
+    "short envelope": (forge([PROTOCOL_VERSION, 16]), "fields"),
+    "envelope not a list": ([msgpack.packb({"a": 1})], "must be a list"),
+    "negative id": (forge([PROTOCOL_VERSION, 16, -1, "w", b""]), "message id"),
+    "sender is a list": (forge([PROTOCOL_VERSION, 16, 1, [1], b""]), "sender"),
+    "payload not bytes": (forge([PROTOCOL_VERSION, 16, 1, "w", "str"]), "payload must be bytes"),
+    "frame count mismatch": (forge(payload=[tensor_ext(["dense", "float32", [2], None, 1, 8, "cpu", False])]), "refers to frame 1"),
+    "unreferenced frame": (forge(payload=None, buffers=[b"xxxx"]), "no tensor descriptor refers"),
+    "frame used twice": (
+        forge(payload=[tensor_ext(["dense", "uint8", [4], None, 1, 4, "cpu", False])] * 2, buffers=[b"abcd"]),
+        "more than one",
+    ),
+    "size mismatch": (forge(payload=tensor_ext(["dense", "float32", [3], None, 1, 12, "cpu", False]), buffers=[b"x" * 8]), "has 8 bytes"),
+    "nbytes lies": (forge(payload=tensor_ext(["dense", "float32", [3], None, 1, 8, "cpu", False]), buffers=[b"x" * 8]), "needs 12 bytes"),
+    "unknown dtype": (forge(payload=tensor_ext(["dense", "float99", [1], None, 1, 4, "cpu", False]), buffers=[b"x" * 4]), "unknown dtype"),
+    "absurd shape": (
+        forge(payload=tensor_ext(["dense", "float32", [2**40, 2**40], None, 1, 4, "cpu", False]), buffers=[b"x" * 4]),
+        "needs",
+    ),
+    "negative dim": (forge(payload=tensor_ext(["dense", "uint8", [-1], None, 1, 0, "cpu", False])), "invalid value"),
+    "too many dims": (forge(payload=tensor_ext(["dense", "uint8", [1] * 65, None, 1, 1, "cpu", False]), buffers=[b"x"]), "at most 64"),
+    "strides past buffer": (
+        forge(payload=tensor_ext(["dense", "uint8", [4, 4], [100, 1], 1, 4, "cpu", False]), buffers=[b"x" * 4]),
+        "needs",
+    ),
+    "bad device": (forge(payload=tensor_ext(["dense", "uint8", [1], None, 1, 1, "tpu:9", False]), buffers=[b"x"]), "device"),
+    "grad on ints": (forge(payload=tensor_ext(["dense", "int64", [1], None, 1, 8, "cpu", True]), buffers=[b"x" * 8]), "requires_grad"),
+    "sparse index out of range": (
+        forge(
+            payload=tensor_ext(["sparse_coo", [2, 2], ["dense", "int64", [2, 1], None, 1, 16, "cpu", False],
+                                ["dense", "float32", [1], None, 2, 4, "cpu", False], False, False]),
+            buffers=[tensor_bytes(torch.tensor([[5], [0]])), b"\0\0\x80?"],
+        ),
+        "invalid sparse tensor",
+    ),
+    "sparse falsely coalesced": (
+        forge(
+            payload=tensor_ext(["sparse_coo", [3], ["dense", "int64", [1, 2], None, 1, 16, "cpu", False],
+                                ["dense", "float32", [2], None, 2, 8, "cpu", False], True, False]),
+            buffers=[tensor_bytes(torch.tensor([[1, 1]])), b"\0" * 8],
+        ),
+        "uncoalesced",
+    ),
+    "unknown extension": (forge(payload=msgpack.ExtType(99, b"")), "unknown extension type 99"),
+    "unknown tensor kind": (forge(payload=tensor_ext(["weird"])), "unknown tensor kind"),
+    "garbage payload": (forge([PROTOCOL_VERSION, 16, 1, "w", b"\xc1\xc1"]), "malformed"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_messages_raise_remote_protocol_error(case):
+    frames, match = MALFORMED[case]
+    with pytest.raises(RemoteProtocolError, match=match):
+        CODEC.decode(frames)
+
+
+def test_size_and_frame_count_limits():
+    codec = Codec(max_message_bytes=1000, max_frames=3)
+    big = CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", torch.zeros(1000)))
+    with pytest.raises(MessageTooLargeError, match="limit is 1000"):
+        codec.decode(big)
+    many = CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", [torch.zeros(1)] * 5))
+    with pytest.raises(MessageTooLargeError, match="frames"):
+        codec.decode(many)
+
+
+def test_fuzz_deterministic_mutations_of_every_byte():
+    """Every single-byte change of a valid envelope decodes or raises a protocol error."""
+    frames = valid_frames()
+    rng = random.Random(1234)
+    for position in range(len(frames[0])):
+        mutated = bytearray(frames[0])
+        mutated[position] = rng.randrange(256)
+        decode_or_protocol_error([bytes(mutated), *frames[1:]])

@@ -1,0 +1,166 @@
+"""Transport round trips, next to a raw pyzmq ping-pong measured in the same run.
+
+Each side runs in its own process (an echo server and the timing client), on loopback TCP.
+Raw pyzmq: DEALER -> ROUTER echo, zero-copy frames, no encoding at all: the floor that any
+ZeroMQ transport in Python stands on. zmqautograd: Endpoint -> Endpoint echo, the payload a
+real tensor (encoded, validated and rebuilt on both sides).
+
+    python tools/bench_transport.py [--small-iters 5000] [--large-iters 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import zmq  # noqa: E402
+
+from transport import Message, MessageType  # noqa: E402
+from transport.endpoint import Endpoint  # noqa: E402
+
+SIZES_MB = (1, 16, 64)
+
+
+# ----------------------------------------------------------------------------- raw pyzmq
+
+
+def _raw_server(address_queue: mp.Queue) -> None:
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.bind("tcp://127.0.0.1:*")
+    address_queue.put(socket.getsockopt(zmq.LAST_ENDPOINT).decode())
+    while True:
+        frames = socket.recv_multipart(copy=False)
+        if frames[1].bytes == b"stop":
+            return
+        socket.send_multipart(frames, copy=False)
+
+
+class RawClient:
+    """DEALER client of a raw ROUTER echo server in another process."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        address_queue = ctx.Queue()
+        self.server = ctx.Process(target=_raw_server, args=(address_queue,), daemon=True)
+        self.server.start()
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.connect(address_queue.get(timeout=60))
+        self.header = b"h" * 32
+
+    def round_trip(self, payload: torch.Tensor) -> None:
+        buffer = payload.numpy() if payload.numel() > 64 else bytes(8)
+        self.socket.send_multipart([self.header, buffer], copy=False)
+        frames = self.socket.recv_multipart(copy=False)
+        assert frames[1].buffer.nbytes == memoryview(buffer).nbytes
+
+    def close(self) -> None:
+        self.socket.send_multipart([b"stop"])
+        self.server.join(10)
+        self.socket.close(0)
+        self.context.term()
+
+
+def _has_numpy() -> bool:
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- zmqautograd
+
+
+def _endpoint_server(address_queue: mp.Queue) -> None:
+    stop = threading.Event()
+
+    def echo(message: Message) -> None:
+        if message.payload == "stop":
+            stop.set()
+            return
+        endpoint.send(message.sender, Message(MessageType.PYTHON_RET, message.id, "server", message.payload))
+
+    endpoint = Endpoint("server", on_message=echo)
+    address_queue.put(endpoint.address)
+    endpoint.expect("client")
+    stop.wait()
+    endpoint.close()
+
+
+class EndpointClient:
+    """zmqautograd Endpoint client of an Endpoint echo server in another process."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        address_queue = ctx.Queue()
+        self.server = ctx.Process(target=_endpoint_server, args=(address_queue,), daemon=True)
+        self.server.start()
+        self.endpoint = Endpoint("client")
+        self.endpoint.connect("server", address_queue.get(timeout=60))
+        self.endpoint.wait_for_peer("server", 30)
+        self.ids = iter(range(1, 1 << 62))
+
+    def round_trip(self, payload) -> Message:
+        self.endpoint.send("server", Message(MessageType.PYTHON_CALL, next(self.ids), "client", payload))
+        reply = self.endpoint.recv(30)
+        assert reply.payload.numel() == payload.numel()
+        return reply
+
+    def close(self) -> None:
+        self.endpoint.send("server", Message(MessageType.PYTHON_CALL, next(self.ids), "client", "stop"))
+        self.server.join(10)
+        self.endpoint.close()
+
+
+def compare(clients: dict, payload: torch.Tensor, rounds: int, per_round: int) -> dict[str, float]:
+    """Median seconds per round trip for each client, alternating clients every round so that
+    both see the same machine noise."""
+    for client in clients.values():
+        for _ in range(3):
+            client.round_trip(payload)  # warm up: connections, allocator, page cache
+    samples: dict[str, list[float]] = {name: [] for name in clients}
+    for _ in range(rounds):
+        for name, client in clients.items():
+            start = time.perf_counter()
+            for _ in range(per_round):
+                client.round_trip(payload)
+            samples[name].append((time.perf_counter() - start) / per_round)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per size")
+    parser.add_argument("--small-per-round", type=int, default=300)
+    args = parser.parse_args()
+    clients = {"raw": RawClient(), "ours": EndpointClient()}
+    try:
+        rows = [("small", torch.zeros(2), args.small_per_round)]
+        rows += [(f"{mb}MB", torch.ones(mb << 20, dtype=torch.uint8), 1 if mb > 1 else 5) for mb in SIZES_MB]
+        print(f"{'round trip':<12}{'raw pyzmq':>14}{'zmqautograd':>14}{'ratio':>8}   goal", flush=True)
+        for key, payload, per_round in rows:
+            result = compare(clients, payload, args.rounds, per_round)
+            goal = "<= 2.0x" if key == "small" else "<= 1.3x" if key == "64MB" else ""
+            unit, scale = ("us", 1e6) if key == "small" else ("ms", 1e3)
+            print(
+                f"{key:<12}{result['raw'] * scale:>11.1f} {unit}{result['ours'] * scale:>11.1f} {unit}"
+                f"{result['ours'] / result['raw']:>7.2f}x   {goal}",
+                flush=True,
+            )
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,389 @@
+"""The wire codec: :class:`Message` <-> list of frames. Pure: no sockets, no threads.
+
+Frame 0 is a msgpack *envelope*::
+
+    [protocol_version, message_type, message_id, sender, payload_bytes]
+
+``payload_bytes`` is itself msgpack, kept as a separate blob so that a receiver can read (and
+route, or answer with an error) the envelope before it spends anything on the payload. Frames
+1..n are raw buffers, one per tensor (two per sparse tensor), referred to by the tensor
+descriptors inside the payload.
+
+Inside the payload, values msgpack cannot represent faithfully travel as msgpack extension
+types: tensors (their descriptor; the bytes go in frames), tuples (msgpack would turn them
+into lists), ``torch.Size``, ``torch.dtype`` and ``torch.device``. Layers above add their own
+types with :class:`Extension` and may supply a fallback (the RPC layer's pickle path).
+
+Decoding checks everything and raises :class:`RemoteProtocolError` for any malformed input;
+encoding raises :class:`LocalProtocolError` for anything it cannot carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from .errors import DeviceMapError, LocalProtocolError, MessageTooLargeError, ProtocolError, RemoteProtocolError
+from .tensors import DEFAULT_COPY_THRESHOLD, DeviceMap, TensorDecoder, TensorEncoder
+from .staging import PinnedBufferPool
+
+PROTOCOL_VERSION = 1
+MAX_SENDER_LENGTH = 256
+MAX_MESSAGE_ID = (1 << 64) - 1
+
+
+# ------------------------------------------------------------------------------ message types
+
+
+class MessageType(int):
+    """A registered message type: an int code with a name.
+
+    The names are the seeds' ``MessageType`` names. Layers above may register more with
+    :meth:`register`; codes and names are unique.
+    """
+
+    _by_code: dict[int, "MessageType"] = {}
+    _by_name: dict[str, "MessageType"] = {}
+
+    name: str
+
+    def __new__(cls, code: int, name: str) -> "MessageType":
+        self = super().__new__(cls, code)
+        self.name = name
+        return self
+
+    def __repr__(self) -> str:
+        return f"MessageType.{self.name}"
+
+    __str__ = __repr__
+
+    def __reduce__(self):
+        return (MessageType.lookup, (int(self),))
+
+    @classmethod
+    def register(cls, name: str, code: int) -> "MessageType":
+        """Register ``name`` under ``code`` (idempotent for the same pair)."""
+        if not isinstance(code, int) or not 0 <= code < 1 << 16:
+            raise ValueError(f"message type code must be an int in [0, 65535], got {code!r}")
+        existing = cls._by_name.get(name)
+        if existing is not None:
+            if int(existing) != code:
+                raise ValueError(f"message type {name} is already registered with code {int(existing)}")
+            return existing
+        if code in cls._by_code:
+            raise ValueError(f"message type code {code} is already used by {cls._by_code[code].name}")
+        member = cls(code, name)
+        cls._by_code[code] = member
+        cls._by_name[name] = member
+        setattr(cls, name, member)
+        return member
+
+    @classmethod
+    def lookup(cls, code: int) -> "MessageType":
+        try:
+            return cls._by_code[code]
+        except (KeyError, TypeError):
+            raise RemoteProtocolError(f"unknown message type {code!r:.40}") from None
+
+    @classmethod
+    def by_name(cls, name: str) -> "MessageType":
+        try:
+            return cls._by_name[name]
+        except KeyError:
+            raise ValueError(f"unknown message type name {name!r}") from None
+
+    @classmethod
+    def all(cls) -> list["MessageType"]:
+        return sorted(cls._by_code.values())
+
+
+# The transport's own control messages.
+for _code, _name in enumerate(("HELLO", "HEARTBEAT", "GOODBYE", "PROTOCOL_ERROR"), start=1):
+    MessageType.register(_name, _code)
+
+# The seeds' RPC and distributed autograd message types (torch/csrc/distributed/rpc/message.h).
+# TorchScript variants are left out: this runtime has no TorchScript.
+for _code, _name in enumerate(
+    (
+        "PYTHON_CALL", "PYTHON_RET", "PYTHON_REMOTE_CALL", "REMOTE_RET",
+        "PYTHON_RREF_FETCH_CALL", "PYTHON_RREF_FETCH_RET", "RREF_USER_DELETE",
+        "RREF_FORK_REQUEST", "RREF_CHILD_ACCEPT", "RREF_ACK",
+        "FORWARD_AUTOGRAD_REQ", "FORWARD_AUTOGRAD_RESP",
+        "BACKWARD_AUTOGRAD_REQ", "BACKWARD_AUTOGRAD_RESP",
+        "CLEANUP_AUTOGRAD_CONTEXT_REQ", "CLEANUP_AUTOGRAD_CONTEXT_RESP",
+        "RUN_WITH_PROFILING_REQ", "RUN_WITH_PROFILING_RESP",
+        "RREF_BACKWARD_REQ", "RREF_BACKWARD_RESP", "EXCEPTION",
+    ),
+    start=16,
+):
+    MessageType.register(_name, _code)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message: its type, an id chosen by the sender (responses echo the request's id),
+    the sender's identity, and a payload of msgpack-able values, tensors and registered types."""
+
+    type: MessageType
+    id: int
+    sender: int | str
+    payload: Any = None
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A message whose envelope has been validated but whose payload is still bytes."""
+
+    type: MessageType
+    id: int
+    sender: int | str
+    payload_bytes: bytes
+    buffers: Sequence[Any]
+
+
+@dataclass(frozen=True)
+class Extension:
+    """A type carried as a msgpack extension.
+
+    ``encode(obj)`` returns a value the codec can encode (it may contain tensors and other
+    extension types); ``decode(value)`` rebuilds the object from that value. Codes 0..15 are the
+    codec's own.
+    """
+
+    code: int
+    type: type
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+
+
+# Codec-owned extension codes.
+EXT_TENSOR = 1
+EXT_TUPLE = 2
+EXT_SIZE = 3
+EXT_DTYPE = 4
+EXT_DEVICE = 5
+FIRST_USER_EXT = 16
+
+
+def _decode_dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise RemoteProtocolError(f"unknown dtype {name!r:.40}")
+    return dtype
+
+
+def _decode_device(name: Any) -> torch.device:
+    if not isinstance(name, str):
+        raise RemoteProtocolError(f"device must be a string, got {name!r:.40}")
+    try:
+        return torch.device(name)
+    except (RuntimeError, TypeError):
+        raise RemoteProtocolError(f"invalid device {name!r:.40}") from None
+
+
+_DTYPE_NAME = {getattr(torch, n): n for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
+# Prefer the canonical names (torch.float32 over its alias torch.float).
+_DTYPE_NAME.update({d: str(d).removeprefix("torch.") for d in _DTYPE_NAME})
+
+
+class Codec:
+    """Encodes and decodes messages. One instance may be used from many threads at once.
+
+    Args:
+        extensions: more types to carry as msgpack extensions.
+        fallback: called as ``fallback(obj)`` for an object no extension covers; returns an
+            ``(Extension, value)`` pair, or raises. Without one such objects are refused.
+        max_message_bytes: incoming messages larger than this (all frames) are refused.
+        max_frames: incoming messages with more frames than this are refused.
+        copy_threshold: tensor buffers smaller than this are copied into their frame; larger
+            ones are sent zero-copy (the tensor must not be modified until sent).
+        device_map: where received tensors go, by the device they were on at the sender.
+    """
+
+    def __init__(
+        self,
+        extensions: Iterable[Extension] = (),
+        fallback: Callable[[Any], tuple[Extension, Any]] | None = None,
+        max_message_bytes: int = 1 << 34,
+        max_frames: int = 1 << 16,
+        copy_threshold: int = DEFAULT_COPY_THRESHOLD,
+        device_map: DeviceMap = None,
+        pinned_pool: PinnedBufferPool | None = None,
+    ):
+        self._by_code: dict[int, Extension] = {}
+        self._by_type: dict[type, Extension] = {}
+        for ext in extensions:
+            self.add_extension(ext)
+        self.fallback = fallback
+        self.max_message_bytes = max_message_bytes
+        self.max_frames = max_frames
+        self.copy_threshold = copy_threshold
+        self.device_map = device_map
+        self.pinned_pool = pinned_pool
+
+    def add_extension(self, ext: Extension) -> None:
+        if not FIRST_USER_EXT <= ext.code <= 127:
+            raise ValueError(f"extension codes must be in [{FIRST_USER_EXT}, 127], got {ext.code}")
+        if ext.code in self._by_code and self._by_code[ext.code] is not ext:
+            raise ValueError(f"extension code {ext.code} is already used")
+        self._by_code[ext.code] = ext
+        self._by_type[ext.type] = ext
+
+    # -------------------------------------------------------------------------------- encode
+
+    def encode(self, message: Message) -> list[Any]:
+        """Frames for ``message``: the envelope, then one buffer per tensor."""
+        if not isinstance(message.type, int) or int(message.type) not in MessageType._by_code:
+            raise LocalProtocolError(f"unknown message type {message.type!r}")
+        if not isinstance(message.id, int) or not 0 <= message.id <= MAX_MESSAGE_ID:
+            raise LocalProtocolError(f"message id must be an int in [0, 2**64), got {message.id!r}")
+        _check_sender(message.sender, LocalProtocolError)
+        tensors = TensorEncoder(1, self.copy_threshold, self.pinned_pool)
+        payload = self._pack(message.payload, tensors)
+        envelope = msgpack.packb(
+            [PROTOCOL_VERSION, int(message.type), message.id, message.sender, payload], use_bin_type=True
+        )
+        return [envelope, *tensors.finish()]
+
+    def _pack(self, value: Any, tensors: TensorEncoder) -> bytes:
+        def default(obj: Any) -> msgpack.ExtType:
+            kind = type(obj)
+            if kind is tuple:
+                return msgpack.ExtType(EXT_TUPLE, pack(list(obj)))
+            if isinstance(obj, torch.Tensor):
+                return msgpack.ExtType(EXT_TENSOR, msgpack.packb(tensors.add(obj), use_bin_type=True))
+            if kind is torch.Size:
+                return msgpack.ExtType(EXT_SIZE, pack(list(obj)))
+            if kind is torch.dtype:
+                return msgpack.ExtType(EXT_DTYPE, pack(_DTYPE_NAME[obj]))
+            if kind is torch.device:
+                return msgpack.ExtType(EXT_DEVICE, pack(str(obj)))
+            ext = self._by_type.get(kind)
+            if ext is None:
+                ext = next((e for e in self._by_code.values() if isinstance(obj, e.type)), None)
+            if ext is not None:
+                return msgpack.ExtType(ext.code, pack(ext.encode(obj)))
+            if self.fallback is not None:
+                ext, value = self.fallback(obj)
+                return msgpack.ExtType(ext.code, pack(value))
+            raise LocalProtocolError(f"cannot encode an object of type {kind.__module__}.{kind.__qualname__}")
+
+        def pack(obj: Any) -> bytes:
+            try:
+                return msgpack.packb(obj, default=default, use_bin_type=True, strict_types=True)
+            except ProtocolError:
+                raise
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise LocalProtocolError(f"cannot encode payload: {exc}") from exc
+
+        return pack(value)
+
+    # -------------------------------------------------------------------------------- decode
+
+    def decode(self, frames: Sequence[Any]) -> Message:
+        """The message in ``frames`` (envelope first). Raises RemoteProtocolError if malformed."""
+        envelope = self.decode_envelope(frames)
+        return Message(envelope.type, envelope.id, envelope.sender, self.decode_payload(envelope))
+
+    def decode_envelope(self, frames: Sequence[Any]) -> Envelope:
+        """Validate frame counts and sizes and the envelope, leaving the payload undecoded."""
+        if not frames:
+            raise RemoteProtocolError("empty message: no envelope frame")
+        if len(frames) > self.max_frames:
+            raise MessageTooLargeError(f"message has {len(frames)} frames, the limit is {self.max_frames}")
+        total = sum(_frame_size(frame) for frame in frames)
+        if total > self.max_message_bytes:
+            raise MessageTooLargeError(f"message is {total} bytes, the limit is {self.max_message_bytes}")
+        raw = _frame_bytes(frames[0])
+        try:
+            header = msgpack.unpackb(raw, use_list=True, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises many types for garbage; all mean the same
+            raise RemoteProtocolError(f"envelope is not valid msgpack: {type(exc).__name__}: {exc}") from None
+        if not isinstance(header, list) or not header:
+            raise RemoteProtocolError(f"envelope must be a list, got {type(header).__name__}")
+        version = header[0]
+        if version != PROTOCOL_VERSION or type(version) is not int:
+            raise RemoteProtocolError(
+                f"unsupported protocol version {version!r:.40} (this side speaks {PROTOCOL_VERSION})"
+            )
+        if len(header) != 5:
+            raise RemoteProtocolError(f"envelope has {len(header)} fields, expected 5")
+        _, code, message_id, sender, payload = header
+        if type(code) is not int:
+            raise RemoteProtocolError(f"message type must be an int, got {code!r:.40}")
+        message_type = MessageType.lookup(code)
+        if type(message_id) is not int or not 0 <= message_id <= MAX_MESSAGE_ID:
+            raise RemoteProtocolError(f"invalid message id {message_id!r:.40}")
+        _check_sender(sender, RemoteProtocolError)
+        if not isinstance(payload, bytes):
+            raise RemoteProtocolError("envelope payload must be bytes")
+        return Envelope(message_type, message_id, sender, payload, frames[1:])
+
+    def decode_payload(self, envelope: Envelope) -> Any:
+        tensors = TensorDecoder(envelope.buffers, 1, self.device_map)
+
+        def ext_hook(code: int, data: bytes) -> Any:
+            if code == EXT_TENSOR:
+                return tensors.tensor(msgpack.unpackb(data, raw=False, use_list=True))
+            if code == EXT_TUPLE:
+                return tuple(_list(unpack(data), "tuple"))
+            if code == EXT_SIZE:
+                dims = _list(unpack(data), "torch.Size")
+                if not all(type(d) is int and d >= 0 for d in dims):
+                    raise RemoteProtocolError("torch.Size holds a non-int or negative dimension")
+                return torch.Size(dims)
+            if code == EXT_DTYPE:
+                return _decode_dtype(unpack(data))
+            if code == EXT_DEVICE:
+                return _decode_device(unpack(data))
+            ext = self._by_code.get(code)
+            if ext is None:
+                raise RemoteProtocolError(f"unknown extension type {code}")
+            return ext.decode(unpack(data))
+
+        def unpack(data: bytes) -> Any:
+            return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, use_list=True, strict_map_key=False)
+
+        try:
+            payload = unpack(envelope.payload_bytes)
+            tensors.check_all_used()
+        except (ProtocolError, DeviceMapError):
+            raise
+        except Exception as exc:
+            raise RemoteProtocolError(
+                f"malformed {envelope.type.name} payload from {envelope.sender!r}: {type(exc).__name__}: {exc}"
+            ) from None
+        return payload
+
+
+def _list(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise RemoteProtocolError(f"{what} extension must hold a list")
+    return value
+
+
+def _check_sender(sender: Any, error: type[ProtocolError]) -> None:
+    if type(sender) is int:
+        if not 0 <= sender <= MAX_MESSAGE_ID:
+            raise error(f"sender id out of range: {sender}")
+    elif type(sender) is str:
+        if len(sender) > MAX_SENDER_LENGTH:
+            raise error(f"sender name longer than {MAX_SENDER_LENGTH} characters")
+    else:
+        raise error(f"sender must be an int or a str, got {type(sender).__name__}")
+
+
+def _frame_size(frame: Any) -> int:
+    if hasattr(frame, "buffer"):
+        return frame.buffer.nbytes
+    return memoryview(frame).nbytes
+
+
+def _frame_bytes(frame: Any) -> bytes:
+    if hasattr(frame, "bytes"):
+        return frame.bytes
+    return bytes(frame)

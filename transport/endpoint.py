@@ -1,0 +1,710 @@
+"""A ZeroMQ endpoint: one ROUTER socket per worker, owned by one I/O thread.
+
+Threads:
+
+* the **I/O thread** owns every ZeroMQ socket of the endpoint (the ROUTER, the inproc wake-up
+  socket and the monitor socket). It sends what other threads queued, receives, validates
+  envelopes, answers transport control messages, sends heartbeats and watches for dead peers.
+* the **dispatcher thread** decodes payloads and runs the user's callbacks, so a slow handler
+  never stalls the socket. Messages of one peer reach ``on_message`` in the order they were
+  sent; a peer's loss is reported after every message that arrived from it.
+* any other thread may call :meth:`Endpoint.send`: it encodes the message on its own thread,
+  appends it to the outbox and, only if the I/O thread is asleep, wakes it through a
+  thread-local inproc PUSH socket.
+
+Connections: between two endpoints exactly one connects (the one whose identity sorts first,
+when both use :meth:`Endpoint.add_peer`) and sends HELLO; the other answers HELLO. ZeroMQ's
+``CONNECT_ROUTING_ID`` makes the connecting side able to send at once; the accepting side
+holds messages for that peer until its HELLO arrives. ``ROUTER_MANDATORY`` makes a send to a
+peer without a connection an error, never a silent drop.
+
+Peer loss is detected three ways, whichever is first: the connection closes (monitor events;
+immediate when a process dies), nothing heard for ``peer_timeout`` (application heartbeats,
+which also work through a network that silently drops), or the peer says GOODBYE on close.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .codec import Codec, Envelope, Message, MessageType
+from .errors import (
+    DeviceMapError,
+    EndpointClosedError,
+    LocalProtocolError,
+    PeerLostError,
+    ProtocolError,
+    RemoteProtocolError,
+    TransportError,
+    UnknownPeerError,
+)
+
+log = logging.getLogger(__name__)
+
+_CONTROL_TYPES = frozenset(
+    {MessageType.HELLO, MessageType.HEARTBEAT, MessageType.GOODBYE, MessageType.PROTOCOL_ERROR}
+)
+_RECV_BATCH = 256  # messages received per loop turn before the outbox gets a look again
+_endpoint_serial = itertools.count()
+
+
+@dataclass
+class EndpointOptions:
+    """Timing and limits of an endpoint. Times are in seconds."""
+
+    heartbeat_interval: float = 1.0  # a heartbeat goes to a peer we sent nothing to for this long
+    peer_timeout: float = 10.0  # a peer not heard from for this long is lost
+    connect_timeout: float = 60.0  # a peer must complete HELLO within this
+    close_linger: float = 1.0  # on close, how long queued messages may still take to leave
+    detect_disconnect: bool = True  # treat a closed connection as a lost peer at once
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval < self.peer_timeout:
+            raise ValueError("need 0 < heartbeat_interval < peer_timeout")
+        if self.connect_timeout <= 0 or self.close_linger < 0:
+            raise ValueError("connect_timeout must be > 0 and close_linger >= 0")
+
+
+@dataclass
+class PeerStats:
+    """Traffic counters of one peer (a snapshot when read through :meth:`Endpoint.stats`)."""
+
+    messages_sent: int = 0
+    bytes_sent: int = 0
+    messages_received: int = 0
+    bytes_received: int = 0
+    send_errors: int = 0
+    protocol_errors: int = 0
+    heartbeats_sent: int = 0
+    heartbeats_received: int = 0
+
+
+class PeerState(enum.Enum):
+    EXPECTED = "expected"  # it will connect to us; messages wait for its HELLO
+    CONNECTING = "connecting"  # we connected and sent HELLO; sends go out already
+    READY = "ready"  # HELLO exchanged
+    LOST = "lost"  # dead, disconnected, silent too long, or closed
+
+
+@dataclass
+class _Peer:
+    name: str
+    state: PeerState
+    address: str | None = None  # the address we connected to, when we are the connecting side
+    since: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    last_sent: float = 0.0
+    fd: int | None = None  # the accepted connection's file descriptor, when they connected
+    waiting: deque = field(default_factory=deque)  # (message_id, frames) held until HELLO
+    lost_error: PeerLostError | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+class Endpoint:
+    """One worker's ZeroMQ endpoint.
+
+    Args:
+        identity: this worker's name on the wire (the ROUTER routing id).
+        bind: addresses to listen on (``tcp://host:port``, port 0 or ``*`` for any;
+            ``ipc:///path``). :attr:`addresses` holds what was actually bound.
+        on_message: called with each incoming :class:`Message`, on the dispatcher thread.
+            Without it, messages queue for :meth:`recv` (one thread hop fewer: the caller of
+            ``recv`` takes them straight from the I/O thread).
+        on_peer_lost: called as ``on_peer_lost(peer, error)`` when a peer is lost.
+        on_send_error: called as ``on_send_error(peer, message_id, error)`` when a message
+            that ``send`` accepted could not be delivered (peer lost before it went out, or
+            the peer answered that it could not decode it).
+        codec: the :class:`Codec` for payloads (limits, extensions, device map).
+        options: :class:`EndpointOptions`.
+    """
+
+    def __init__(
+        self,
+        identity: str,
+        bind: str | Sequence[str] = "tcp://127.0.0.1:0",
+        *,
+        on_message: Callable[[Message], None] | None = None,
+        on_peer_lost: Callable[[str, PeerLostError], None] | None = None,
+        on_send_error: Callable[[str, int, TransportError], None] | None = None,
+        codec: Codec | None = None,
+        options: EndpointOptions | None = None,
+    ):
+        if not identity or len(identity.encode()) > 255 or identity.startswith("\0"):
+            raise ValueError(f"invalid endpoint identity {identity!r}")
+        self.identity = identity
+        self.codec = codec or Codec()
+        self.options = options or EndpointOptions()
+        self._on_message = on_message
+        self._on_peer_lost = on_peer_lost
+        self._on_send_error = on_send_error
+        self._identity_bytes = identity.encode()
+
+        self._lock = threading.Lock()  # guards the peer table, outbox hand-over and closing
+        self._peers: dict[str, _Peer] = {}
+        self._stats: dict[str, PeerStats] = {}
+        self._outbox: deque = deque()
+        self._io_asleep = False
+        self._closed = False
+        self._close_called = False
+        self._wake_address = f"inproc://zmqautograd-wake-{next(_endpoint_serial)}"
+        self._wake_sockets: list[zmq.Socket] = []
+        self._thread_local = threading.local()
+        self._dispatch_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue | None = None if on_message else queue.SimpleQueue()
+
+        self._context = zmq.Context()
+        self.addresses: list[str] = []
+        started = threading.Event()
+        self._start_error: BaseException | None = None
+        bind_list = [bind] if isinstance(bind, str) else list(bind)
+        self._io_thread = threading.Thread(
+            target=self._io_main, args=(bind_list, started), name=f"zmq-io-{identity}", daemon=True
+        )
+        self._dispatch_thread = threading.Thread(
+            target=self._dispatch_main, name=f"zmq-dispatch-{identity}", daemon=True
+        )
+        self._io_thread.start()
+        started.wait()
+        if self._start_error is not None:
+            self._io_thread.join()
+            self._context.term()
+            raise self._start_error
+        self._dispatch_thread.start()
+
+    # ------------------------------------------------------------------------- public API
+
+    @property
+    def address(self) -> str:
+        """The first bound address."""
+        return self.addresses[0]
+
+    def add_peer(self, peer: str, address: str) -> None:
+        """Make ``peer`` (listening at ``address``) reachable. Of two endpoints that add each
+        other, the one whose identity sorts first connects; the other waits for it."""
+        if peer == self.identity:
+            raise ValueError("an endpoint cannot add itself as a peer")
+        if self.identity < peer:
+            self.connect(peer, address)
+        else:
+            self.expect(peer)
+
+    def connect(self, peer: str, address: str) -> None:
+        """Connect to ``peer`` at ``address``; messages to it may be sent right away."""
+        with self._lock:
+            self._check_open()
+            existing = self._peers.get(peer)
+            if existing is not None and existing.state is not PeerState.EXPECTED:
+                raise ValueError(f"peer {peer!r} is already {existing.state.value}")
+            self._peers[peer] = _Peer(peer, PeerState.CONNECTING, address=address)
+            self._stats.setdefault(peer, PeerStats())
+            self._post_locked(("connect", peer, address))
+
+    def expect(self, peer: str) -> None:
+        """Declare that ``peer`` will connect to us; messages to it wait for its HELLO."""
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                self._peers[peer] = _Peer(peer, PeerState.EXPECTED)
+                self._stats.setdefault(peer, PeerStats())
+
+    def wait_for_peer(self, peer: str, timeout: float | None = None) -> None:
+        """Block until HELLO has been exchanged with ``peer``."""
+        with self._lock:
+            record = self._peers.get(peer)
+        if record is None:
+            raise UnknownPeerError(peer, f"{self.identity}: unknown peer {peer!r}")
+        if not record.ready.wait(timeout):
+            raise TimeoutError(f"{self.identity}: peer {peer!r} did not connect within {timeout} s")
+        if record.lost_error is not None:
+            raise record.lost_error
+
+    def send(self, peer: str, message: Message) -> None:
+        """Queue ``message`` for ``peer``. Returns at once; the I/O thread sends it.
+
+        Raises UnknownPeerError, PeerLostError or EndpointClosedError at once when the message
+        cannot be sent, LocalProtocolError when it cannot be encoded. Tensors of 64 KiB and
+        more are sent without a copy: do not modify them until the peer has answered.
+        """
+        frames = self.codec.encode(message)
+        nbytes = _frames_nbytes(frames)
+        with self._lock:
+            self._check_open()
+            record = self._peers.get(peer)
+            if record is None:
+                raise UnknownPeerError(peer, f"{self.identity}: unknown peer {peer!r}")
+            if record.lost_error is not None:
+                raise PeerLostError(peer, str(record.lost_error))
+            self._post_locked(("send", peer, message.id, frames, nbytes))
+
+    def recv(self, timeout: float | None = None) -> Message:
+        """The next incoming message (only without ``on_message``). A message whose payload
+        does not decode is answered with PROTOCOL_ERROR and skipped. Raises ``TimeoutError``
+        after ``timeout`` seconds and EndpointClosedError once closed."""
+        if self._inbox is None:
+            raise TransportError("recv() is for endpoints made without on_message")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                item = self._inbox.get(timeout=remaining)
+            except queue.Empty:
+                raise TimeoutError(f"{self.identity}: no message within {timeout} s") from None
+            if item is None:
+                self._inbox.put(None)  # let every other waiting thread see the close too
+                raise EndpointClosedError(f"endpoint {self.identity!r} is closed")
+            message = self._decode(*item)
+            if message is not None:
+                return message
+
+    def peers(self) -> dict[str, str]:
+        """Every known peer and its state ('expected', 'connecting', 'ready', 'lost')."""
+        with self._lock:
+            return {name: record.state.value for name, record in self._peers.items()}
+
+    def stats(self) -> dict[str, PeerStats]:
+        """A snapshot of the per-peer counters."""
+        with self._lock:
+            return {name: replace(stats) for name, stats in self._stats.items()}
+
+    def close(self) -> None:
+        """Say GOODBYE to the peers, let queued messages leave for up to ``close_linger``
+        seconds, and stop both threads. Idempotent; never hangs on a dead peer."""
+        with self._lock:
+            if self._close_called:
+                return
+            self._close_called = True
+            self._closed = True
+            if self._io_thread.is_alive():
+                self._post_locked(("close",))
+        self._io_thread.join()
+        with self._lock:
+            for socket in self._wake_sockets:
+                socket.close(linger=0)
+            self._wake_sockets.clear()
+        self._dispatch_queue.put(None)
+        if self._inbox is not None:
+            self._inbox.put(None)
+        if threading.current_thread() is not self._dispatch_thread:
+            self._dispatch_thread.join()
+        self._context.term()
+
+    def __enter__(self) -> "Endpoint":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ hand-over to I/O
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EndpointClosedError(f"endpoint {self.identity!r} is closed")
+
+    def _post_locked(self, command: tuple) -> None:
+        """Queue a command for the I/O thread (caller holds the lock)."""
+        self._outbox.append(command)
+        if self._io_asleep:
+            self._io_asleep = False
+            self._wake_socket().send(b"", zmq.NOBLOCK)
+
+    def _wake_socket(self) -> zmq.Socket:
+        """This thread's inproc PUSH socket to the I/O thread (used under the lock only)."""
+        socket = getattr(self._thread_local, "socket", None)
+        if socket is None:
+            socket = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(self._wake_address)
+            self._thread_local.socket = socket
+            self._wake_sockets.append(socket)
+        return socket
+
+    # --------------------------------------------------------------------- the I/O thread
+
+    def _io_main(self, bind_list: list[str], started: threading.Event) -> None:
+        try:
+            self._open_sockets(bind_list)
+        except BaseException as exc:  # reported to the constructor's thread
+            self._start_error = exc if isinstance(exc, TransportError) else TransportError(
+                f"endpoint {self.identity!r} could not bind {bind_list}: {exc}"
+            )
+            self._close_sockets(linger=0)
+            started.set()
+            return
+        started.set()
+        try:
+            self._io_loop()
+        except BaseException:
+            log.exception("endpoint %s: I/O thread failed", self.identity)
+            with self._lock:
+                self._closed = True
+            self._fail_all_peers("the endpoint's I/O thread failed")
+        finally:
+            self._close_sockets(linger=self.options.close_linger)
+
+    def _open_sockets(self, bind_list: list[str]) -> None:
+        self._router = None
+        self._wake_pull = self._context.socket(zmq.PULL)
+        self._wake_pull.bind(self._wake_address)
+        router = self._context.socket(zmq.ROUTER)
+        self._router = router
+        router.setsockopt(zmq.ROUTING_ID, self._identity_bytes)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, 0)  # never drop and never block: flow control is above us
+        router.setsockopt(zmq.RCVHWM, 0)
+        router.setsockopt(zmq.LINGER, int(self.options.close_linger * 1000))
+        # ZMTP heartbeats let libzmq itself close connections to hosts that went silent.
+        router.setsockopt(zmq.HEARTBEAT_IVL, int(self.options.heartbeat_interval * 1000))
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.options.peer_timeout * 1000))
+        router.setsockopt(zmq.HEARTBEAT_TTL, int(self.options.peer_timeout * 1000))
+        self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        for address in bind_list:
+            if address.startswith("tcp://") and address.endswith(":0"):
+                address = address[:-2] + ":*"
+            router.bind(address)
+            self.addresses.append(router.getsockopt(zmq.LAST_ENDPOINT).decode())
+        self._poller = zmq.Poller()
+        self._poller.register(router, zmq.POLLIN)
+        self._poller.register(self._wake_pull, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._by_address: dict[str, str] = {}  # connected address -> peer
+        self._by_fd: dict[int, str] = {}  # accepted connection fd -> peer
+        self._heartbeat_frames = self.codec.encode(Message(MessageType.HEARTBEAT, 0, self.identity))
+
+    def _close_sockets(self, linger: float) -> None:
+        router = getattr(self, "_router", None)
+        if router is not None:
+            try:
+                router.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            router.close(linger=int(linger * 1000))
+        for name in ("_monitor", "_wake_pull"):
+            socket = getattr(self, name, None)
+            if socket is not None:
+                socket.close(linger=0)
+
+    def _io_loop(self) -> None:
+        interval = self.options.heartbeat_interval
+        next_tick = time.monotonic() + interval
+        while True:
+            with self._lock:
+                self._io_asleep = not self._outbox
+            timeout = max(0.0, next_tick - time.monotonic()) if self._io_asleep else 0.0
+            ready = dict(self._poller.poll(int(timeout * 1000)))
+            with self._lock:
+                self._io_asleep = False
+            if self._wake_pull in ready:
+                while True:
+                    try:
+                        self._wake_pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            if self._monitor in ready:
+                self._read_monitor()
+            if self._router in ready:
+                self._receive_batch()
+            if not self._drain_outbox():
+                return
+            now = time.monotonic()
+            if now >= next_tick:
+                self._tick(now)
+                next_tick = now + interval
+
+    def _drain_outbox(self) -> bool:
+        """Execute queued commands; False once told to close."""
+        while True:
+            with self._lock:
+                if not self._outbox:
+                    return True
+                command = self._outbox.popleft()
+            kind = command[0]
+            if kind == "send":
+                _, peer, message_id, frames, nbytes = command
+                self._send_to_peer(peer, message_id, frames, nbytes)
+            elif kind == "connect":
+                _, peer, address = command
+                self._connect(peer, address)
+            elif kind == "close":
+                self._say_goodbye()
+                return False
+
+    def _connect(self, peer: str, address: str) -> None:
+        try:
+            self._router.setsockopt(zmq.CONNECT_ROUTING_ID, peer.encode())
+            self._router.connect(address)
+        except zmq.ZMQError as exc:
+            self._peer_lost(peer, f"cannot connect to {address}: {exc}")
+            return
+        self._by_address[address] = peer
+        self._send_hello(peer)
+
+    def _send_hello(self, peer: str) -> None:
+        hello = self.codec.encode(Message(MessageType.HELLO, 0, self.identity, {"identity": self.identity}))
+        self._send_to_peer(peer, 0, hello, _frames_nbytes(hello))
+
+    def _send_to_peer(self, peer: str, message_id: int, frames: list, nbytes: int) -> None:
+        with self._lock:
+            record = self._peers.get(peer)
+            if record is not None and record.state is PeerState.EXPECTED:
+                record.waiting.append((message_id, frames, nbytes))
+                return
+        if record is None or record.state is PeerState.LOST:
+            error = record.lost_error if record else UnknownPeerError(peer, f"unknown peer {peer!r}")
+            self._report_send_error(peer, message_id, error)
+            return
+        stats = self._stats[peer]
+        try:
+            self._router.send_multipart([peer.encode(), *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            stats.send_errors += 1
+            reason = "no connection to it" if exc.errno == zmq.EHOSTUNREACH else str(exc)
+            self._peer_lost(peer, f"send failed: {reason}")
+            self._report_send_error(peer, message_id, self._peers[peer].lost_error)
+            return
+        record.last_sent = time.monotonic()
+        stats.messages_sent += 1
+        stats.bytes_sent += nbytes
+
+    def _report_send_error(self, peer: str, message_id: int, error: TransportError) -> None:
+        if message_id and self._on_send_error is not None:
+            self._dispatch_queue.put((self._on_send_error, (peer, message_id, error)))
+
+    def _receive_batch(self) -> None:
+        for _ in range(_RECV_BATCH):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle_incoming(frames)
+
+    def _handle_incoming(self, frames: list[zmq.Frame]) -> None:
+        routing_id = frames[0].bytes
+        try:
+            peer = routing_id.decode()
+        except UnicodeDecodeError:
+            peer = "<raw:" + routing_id.hex() + ">"
+        try:
+            envelope = self.codec.decode_envelope(frames[1:])
+            if envelope.sender != peer:
+                raise RemoteProtocolError(
+                    f"sender field {envelope.sender!r:.60} does not match the connection's identity {peer!r}"
+                )
+        except ProtocolError as exc:
+            self._protocol_error(routing_id, peer, None, exc)
+            return
+        with self._lock:
+            record = self._peers.get(peer)
+            stats = self._stats.get(peer)
+        if envelope.type is MessageType.HELLO:
+            record = self._hello(peer, frames[1])
+            stats = self._stats[peer]
+        if record is None:
+            self._protocol_error(
+                routing_id, peer, envelope, RemoteProtocolError(f"{envelope.type.name} from {peer!r} before HELLO")
+            )
+            return
+        if record.state is PeerState.LOST:
+            log.warning("endpoint %s: dropped %s from lost peer %s", self.identity, envelope.type.name, peer)
+            return
+        record.last_seen = time.monotonic()
+        stats.messages_received += 1
+        stats.bytes_received += sum(frame.buffer.nbytes for frame in frames[1:])
+        kind = envelope.type
+        if kind in _CONTROL_TYPES:
+            if kind is MessageType.HEARTBEAT:
+                stats.heartbeats_received += 1
+            elif kind is MessageType.GOODBYE:
+                self._peer_lost(peer, "the peer closed its endpoint")
+            elif kind is MessageType.PROTOCOL_ERROR:
+                self._dispatch_queue.put((self._peer_rejected, (peer, envelope)))
+            return
+        if self._inbox is not None:
+            self._inbox.put((peer, envelope))
+        else:
+            self._dispatch_queue.put((self._deliver, (peer, envelope)))
+
+    def _hello(self, peer: str, envelope_frame: zmq.Frame) -> _Peer:
+        """A HELLO: register or confirm the peer, flush what waited for it, answer it."""
+        with self._lock:
+            record = self._peers.get(peer)
+            if record is None:
+                record = self._peers[peer] = _Peer(peer, PeerState.EXPECTED)
+                self._stats.setdefault(peer, PeerStats())
+            if record.state is PeerState.LOST:
+                return record
+            accepted = record.state is PeerState.EXPECTED
+            record.state = PeerState.READY
+            waiting, record.waiting = record.waiting, deque()
+        if accepted:
+            # Read pending monitor events first: a DISCONNECTED for an older connection that
+            # used the same file descriptor must not be taken for this peer's.
+            self._read_monitor()
+            fd = envelope_frame.get(zmq.SRCFD)
+            record.fd = fd
+            self._by_fd[fd] = peer
+            self._send_hello(peer)
+            for message_id, frames, nbytes in waiting:
+                self._send_to_peer(peer, message_id, frames, nbytes)
+        record.ready.set()
+        return record
+
+    def _protocol_error(self, routing_id: bytes, peer: str, envelope: Envelope | None, exc: ProtocolError) -> None:
+        """Count and log a malformed message, and tell the sender unless that could loop."""
+        log.warning("endpoint %s: malformed message from %s: %s", self.identity, peer, exc)
+        with self._lock:
+            self._stats.setdefault(peer, PeerStats()).protocol_errors += 1
+        if envelope is not None and envelope.type in _CONTROL_TYPES:
+            return  # never answer a control message with another: two broken peers could loop
+        reply = self.codec.encode(
+            Message(
+                MessageType.PROTOCOL_ERROR,
+                envelope.id if envelope else 0,
+                self.identity,
+                {"error": f"{type(exc).__name__}: {exc}"[:4096], "type": envelope.type.name if envelope else None},
+            )
+        )
+        try:
+            self._router.send_multipart([routing_id, *reply], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the sender is already gone; nothing more to tell
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] != zmq.EVENT_DISCONNECTED or not self.options.detect_disconnect:
+                continue
+            address = event["endpoint"].decode(errors="replace")
+            peer = self._by_address.get(address) or self._by_fd.pop(event["value"], None)
+            if peer is not None:
+                self._peer_lost(peer, f"connection closed ({address})")
+
+    def _tick(self, now: float) -> None:
+        """Heartbeats out, and silent peers declared lost."""
+        options = self.options
+        with self._lock:
+            records = list(self._peers.values())
+        for record in records:
+            if record.state is PeerState.READY:
+                if now - record.last_seen > options.peer_timeout:
+                    self._peer_lost(
+                        record.name, f"no message or heartbeat for {now - record.last_seen:.1f} s "
+                        f"(peer_timeout={options.peer_timeout} s)"
+                    )
+                elif now - record.last_sent >= options.heartbeat_interval:
+                    self._stats[record.name].heartbeats_sent += 1
+                    self._send_to_peer(record.name, 0, self._heartbeat_frames, 0)
+            elif record.state in (PeerState.EXPECTED, PeerState.CONNECTING):
+                if now - record.since > options.connect_timeout:
+                    self._peer_lost(record.name, f"did not complete HELLO within {options.connect_timeout} s")
+
+    def _peer_lost(self, peer: str, reason: str) -> None:
+        with self._lock:
+            record = self._peers.get(peer)
+            if record is None or record.state is PeerState.LOST:
+                return
+            record.state = PeerState.LOST
+            error = PeerLostError(peer, f"{self.identity}: lost peer {peer!r}: {reason}")
+            record.lost_error = error
+            waiting, record.waiting = record.waiting, deque()
+        log.warning("%s", error)
+        if record.address is not None:
+            self._by_address.pop(record.address, None)
+            try:
+                self._router.disconnect(record.address)  # stop libzmq reconnecting to it
+            except zmq.ZMQError:
+                pass
+        if record.fd is not None and self._by_fd.get(record.fd) == peer:
+            del self._by_fd[record.fd]
+        record.ready.set()
+        for message_id, _frames, _nbytes in waiting:
+            self._report_send_error(peer, message_id, error)
+        if self._on_peer_lost is not None:
+            self._dispatch_queue.put((self._on_peer_lost, (peer, error)))
+
+    def _fail_all_peers(self, reason: str) -> None:
+        with self._lock:
+            names = [name for name, r in self._peers.items() if r.state is not PeerState.LOST]
+        for name in names:
+            self._peer_lost(name, reason)
+
+    def _say_goodbye(self) -> None:
+        with self._lock:
+            names = [name for name, r in self._peers.items() if r.state in (PeerState.READY, PeerState.CONNECTING)]
+        goodbye = self.codec.encode(Message(MessageType.GOODBYE, 0, self.identity))
+        for name in names:
+            try:
+                self._router.send_multipart([name.encode(), *goodbye], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    # -------------------------------------------------------------- the dispatcher thread
+
+    def _dispatch_main(self) -> None:
+        while True:
+            item = self._dispatch_queue.get()
+            if item is None:
+                return
+            function, args = item
+            try:
+                function(*args)
+            except Exception:
+                log.exception("endpoint %s: callback %s failed", self.identity, getattr(function, "__name__", function))
+
+    def _deliver(self, peer: str, envelope: Envelope) -> None:
+        message = self._decode(peer, envelope)
+        if message is not None:
+            self._on_message(message)
+
+    def _decode(self, peer: str, envelope: Envelope) -> Message | None:
+        try:
+            payload = self.codec.decode_payload(envelope)
+        except (ProtocolError, DeviceMapError) as exc:
+            self._reject_payload(peer, envelope, exc)
+            return None
+        return Message(envelope.type, envelope.id, envelope.sender, payload)
+
+    def _reject_payload(self, peer: str, envelope: Envelope, exc: TransportError) -> None:
+        log.warning("endpoint %s: malformed %s payload from %s: %s", self.identity, envelope.type.name, peer, exc)
+        with self._lock:
+            self._stats[peer].protocol_errors += 1
+        reply = Message(
+            MessageType.PROTOCOL_ERROR,
+            envelope.id,
+            self.identity,
+            {"error": f"{type(exc).__name__}: {exc}"[:4096], "type": envelope.type.name},
+        )
+        try:
+            self.send(peer, reply)
+        except TransportError:
+            pass  # the sender is gone or we are closing: nobody left to tell
+
+    def _peer_rejected(self, peer: str, envelope: Envelope) -> None:
+        """A peer answered that it could not decode one of our messages."""
+        try:
+            payload = self.codec.decode_payload(envelope)
+            detail = payload.get("error") if isinstance(payload, dict) else None
+        except ProtocolError:
+            detail = None
+        error = LocalProtocolError(f"peer {peer!r} rejected message {envelope.id}: {detail or 'malformed'}")
+        log.warning("endpoint %s: %s", self.identity, error)
+        if envelope.id and self._on_send_error is not None:
+            self._on_send_error(peer, envelope.id, error)
+
+
+def _frames_nbytes(frames: list) -> int:
+    return sum(memoryview(frame).nbytes for frame in frames)

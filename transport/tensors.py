@@ -1,0 +1,364 @@
+"""Tensors to and from wire frames.
+
+A tensor becomes a *descriptor* (a small list that travels inside the msgpack header) plus raw
+buffers that travel as frames of their own. Nothing here touches a socket.
+
+Dense descriptor::
+
+    ["dense", dtype, shape, strides | None, frame_index, nbytes, device, requires_grad]
+
+``strides`` is set when the tensor is a dense permutation of its memory (a transpose, say):
+those bytes go out as they lie, without a copy, and the receiver rebuilds the same strides.
+Any other non-contiguous view is compacted first, so only the bytes the view covers travel,
+never the rest of its storage.
+
+Sparse COO descriptor::
+
+    ["sparse_coo", shape, indices_descriptor, values_descriptor, coalesced, requires_grad]
+
+Decoding validates every field against the frames it was given and raises
+:class:`RemoteProtocolError` for anything inconsistent, so a hostile or broken peer can never
+make us build a tensor that reads outside its buffer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import torch
+
+from .errors import DeviceMapError, LocalProtocolError, RemoteProtocolError
+from .staging import PinnedBufferPool, default_pool
+
+# Every dtype whose tensors are plain bytes in CPU memory (quantized dtypes carry scales and
+# zero points, so they are not plain bytes and are refused). Looked up by name so that a torch
+# without one of the newer dtypes still imports this module.
+_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+)
+DTYPES_BY_NAME: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)
+}
+NAMES_BY_DTYPE: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
+
+MAX_DIMS = 64  # torch's own limit on tensor dimensions
+DEFAULT_COPY_THRESHOLD = 1 << 16  # below this a buffer is copied into the frame (pyzmq's default)
+
+DENSE = "dense"
+SPARSE_COO = "sparse_coo"
+
+DeviceMap = Union[None, Mapping[Any, Any], Callable[[torch.device], Any]]
+
+Buffer = Union[bytes, bytearray, memoryview, "ctypes.Array[ctypes.c_ubyte]"]
+
+
+_CPU = torch.device("cpu")
+
+# --------------------------------------------------------------------------------------- send
+
+
+def _export_memory(address: int, nbytes: int, owner: object) -> ctypes.Array:
+    """A buffer-protocol object over ``nbytes`` at ``address`` that keeps ``owner`` alive.
+
+    torch tensors do not export the buffer protocol themselves; ctypes arrays do, and ZeroMQ's
+    zero-copy send holds a reference to the object it sends until the bytes are gone.
+    """
+    array = (ctypes.c_ubyte * nbytes).from_address(address)
+    array._owner = owner  # ctypes arrays take attributes; this pins the memory's owner
+    return array
+
+
+def _dense_span(tensor: torch.Tensor) -> int | None:
+    """Element count of the memory span if ``tensor`` covers it densely without overlap (any
+    permutation of dims), else None. Such tensors can be sent as they lie in memory."""
+    dims = [(stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size != 1]
+    dims.sort()
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return expected
+
+
+class TensorEncoder:
+    """Collects the buffers of the tensors of one message, in frame order.
+
+    ``add`` returns a descriptor and appends the tensor's bytes to ``buffers``. CUDA tensors are
+    copied to pinned staging buffers without blocking; ``finish`` waits for those copies (their
+    CUDA events) and returns the buffers ready to hand to ZeroMQ.
+    """
+
+    def __init__(
+        self,
+        first_frame_index: int = 0,
+        copy_threshold: int = DEFAULT_COPY_THRESHOLD,
+        pinned_pool: PinnedBufferPool | None = None,
+    ):
+        self.buffers: list[Buffer] = []
+        self._first = first_frame_index
+        self._copy_threshold = copy_threshold
+        self._pinned_pool = pinned_pool
+        self._pending_events: list[Any] = []
+
+    def add(self, tensor: torch.Tensor) -> list:
+        if tensor.is_sparse:
+            if tensor.layout != torch.sparse_coo:
+                raise LocalProtocolError(f"cannot send a tensor with layout {tensor.layout}")
+            return [
+                SPARSE_COO,
+                list(tensor.shape),
+                self._add_dense(tensor._indices()),
+                self._add_dense(tensor._values()),
+                bool(tensor.is_coalesced()),
+                tensor.requires_grad,
+            ]
+        if tensor.layout != torch.strided:
+            raise LocalProtocolError(f"cannot send a tensor with layout {tensor.layout}")
+        return self._add_dense(tensor)
+
+    def _add_dense(self, tensor: torch.Tensor) -> list:
+        name = NAMES_BY_DTYPE.get(tensor.dtype)
+        if name is None:
+            raise LocalProtocolError(f"cannot send a tensor of dtype {tensor.dtype}")
+        requires_grad = tensor.requires_grad
+        data = tensor
+        if data.is_complex() and (data.is_conj() or data.is_neg()):
+            data = data.detach().resolve_conj().resolve_neg()
+        strides: list[int] | None = None
+        if not data.is_contiguous():
+            if _dense_span(data) is not None:
+                strides = list(data.stride())
+            else:
+                data = data.detach().contiguous()  # compacts: only the covered bytes are kept
+        nbytes = data.numel() * data.element_size()
+        if data.is_cpu:
+            device = "cpu"
+            buffer = self._cpu_buffer(data, nbytes)
+        elif data.is_cuda:
+            device = str(data.device)
+            buffer = self._stage_cuda(data.detach(), nbytes)
+        else:
+            raise LocalProtocolError(f"cannot send a tensor on device {data.device}")
+        index = self._first + len(self.buffers)
+        self.buffers.append(buffer)
+        return [DENSE, name, list(data.shape), strides, index, nbytes, device, requires_grad]
+
+    def _cpu_buffer(self, data: torch.Tensor, nbytes: int) -> Buffer:
+        if nbytes < self._copy_threshold:
+            # A snapshot: later writes to the tensor cannot reach the wire.
+            return ctypes.string_at(data.data_ptr(), nbytes) if nbytes else b""
+        return _export_memory(data.data_ptr(), nbytes, data)
+
+    def _stage_cuda(self, data: torch.Tensor, nbytes: int) -> Buffer:
+        if nbytes == 0:
+            return b""
+        pool = self._pinned_pool or default_pool()
+        block = pool.acquire(nbytes)
+        flat = data.contiguous() if not data.is_contiguous() else data
+        source = flat.reshape(-1).view(torch.uint8) if flat.dim() else flat.reshape(1).view(torch.uint8)
+        with torch.cuda.device(data.device):
+            block.tensor[:nbytes].copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._pending_events.append(event)
+        view = _export_memory(block.tensor.data_ptr(), nbytes, block)
+        # The block goes back to the pool when ZeroMQ drops its last reference to the frame.
+        weakref.finalize(view, pool.release, block)
+        return view
+
+    def finish(self) -> list[Buffer]:
+        for event in self._pending_events:
+            event.synchronize()
+        self._pending_events.clear()
+        return self.buffers
+
+
+# ------------------------------------------------------------------------------------ receive
+
+
+def resolve_device(source: str, device_map: DeviceMap) -> torch.device:
+    """Where a tensor that was on ``source`` at the sender goes here.
+
+    Without a map, CPU stays on CPU and ``cuda:i`` goes to ``cuda:i`` when this process has it.
+    """
+    if source == "cpu" and device_map is None:
+        return _CPU
+    try:
+        src = torch.device(source)
+    except (RuntimeError, TypeError) as exc:
+        raise RemoteProtocolError(f"invalid device {source!r} in tensor descriptor") from exc
+    target: Any = src
+    if callable(device_map):
+        target = device_map(src)
+    elif device_map is not None:
+        for key in (src, str(src)):
+            if key in device_map:
+                target = device_map[key]
+                break
+    target = torch.device(target)
+    if target.type == "cuda":
+        index = target.index if target.index is not None else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise DeviceMapError(
+                f"received a tensor for {target} (sent from {src}) but this process has "
+                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA devices; "
+                "set a device map that names a device this process has"
+            )
+    elif target.type != "cpu":
+        raise DeviceMapError(f"cannot place a received tensor on {target}")
+    return target
+
+
+class TensorDecoder:
+    """Rebuilds the tensors of one message from its buffer frames, checking every descriptor and
+    that each frame is used exactly once."""
+
+    def __init__(self, frames: Sequence[Any], first_frame_index: int = 0, device_map: DeviceMap = None):
+        self._frames = frames
+        self._first = first_frame_index
+        self._used = [False] * len(frames)
+        self._device_map = device_map
+
+    def tensor(self, descriptor: Any) -> torch.Tensor:
+        if not isinstance(descriptor, list) or not descriptor:
+            raise RemoteProtocolError(f"tensor descriptor must be a non-empty list, got {descriptor!r:.80}")
+        kind = descriptor[0]
+        if kind == DENSE:
+            return self._dense(descriptor)
+        if kind == SPARSE_COO:
+            return self._sparse(descriptor)
+        raise RemoteProtocolError(f"unknown tensor kind {kind!r:.40}")
+
+    def check_all_used(self) -> None:
+        unused = [self._first + i for i, used in enumerate(self._used) if not used]
+        if unused:
+            raise RemoteProtocolError(
+                f"message has {len(unused)} buffer frame(s) no tensor descriptor refers to "
+                f"(frames {unused[:8]})"
+            )
+
+    def _dense(self, d: list) -> torch.Tensor:
+        if len(d) != 8:
+            raise RemoteProtocolError(f"dense tensor descriptor has {len(d)} fields, expected 8")
+        _, name, shape, strides, index, nbytes, device, requires_grad = d
+        dtype = DTYPES_BY_NAME.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            raise RemoteProtocolError(f"unknown dtype {name!r:.40}")
+        shape = _check_dims("shape", shape)
+        numel = math.prod(shape)
+        itemsize = _ITEMSIZE[dtype]
+        if strides is None:
+            span = numel
+        else:
+            strides = _check_dims("strides", strides)
+            if len(strides) != len(shape):
+                raise RemoteProtocolError(f"strides {strides} do not match shape {shape}")
+            span = _strided_span(shape, strides)
+        if not isinstance(nbytes, int) or nbytes != span * itemsize:
+            raise RemoteProtocolError(
+                f"tensor of dtype {name} shape {shape} needs {span * itemsize} bytes, descriptor says {nbytes!r}"
+            )
+        if not isinstance(requires_grad, bool) or not isinstance(device, str):
+            raise RemoteProtocolError("tensor descriptor has a malformed device or requires_grad field")
+        frame = self._take_frame(index)
+        buffer = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        if buffer.nbytes != nbytes:
+            raise RemoteProtocolError(f"frame {index} has {buffer.nbytes} bytes, descriptor says {nbytes}")
+        target = resolve_device(device, self._device_map)
+        tensor = _tensor_from_buffer(buffer, dtype, itemsize, span)
+        if strides is not None:
+            tensor = tensor.as_strided(shape, strides)
+        elif len(shape) != 1:
+            tensor = tensor.view(shape)
+        if target.type != "cpu":
+            tensor = tensor.to(target)
+        if requires_grad:
+            if not (dtype.is_floating_point or dtype.is_complex):
+                raise RemoteProtocolError(f"requires_grad set on a tensor of dtype {name}")
+            tensor.requires_grad_(True)
+        return tensor
+
+    def _sparse(self, d: list) -> torch.Tensor:
+        if len(d) != 6:
+            raise RemoteProtocolError(f"sparse tensor descriptor has {len(d)} fields, expected 6")
+        _, shape, indices_d, values_d, coalesced, requires_grad = d
+        shape = _check_dims("shape", shape)
+        if not isinstance(coalesced, bool) or not isinstance(requires_grad, bool):
+            raise RemoteProtocolError("sparse descriptor has malformed flags")
+        indices = self._dense(indices_d) if isinstance(indices_d, list) and indices_d[:1] == [DENSE] else None
+        values = self._dense(values_d) if isinstance(values_d, list) and values_d[:1] == [DENSE] else None
+        if indices is None or values is None:
+            raise RemoteProtocolError("sparse descriptor must hold dense indices and values descriptors")
+        if indices.dtype != torch.int64 or indices.dim() != 2 or indices.requires_grad:
+            raise RemoteProtocolError(f"sparse indices must be a 2-d int64 tensor, got {indices.dtype} {list(indices.shape)}")
+        sparse_dims = indices.shape[0]
+        nnz = indices.shape[1]
+        if values.dim() < 1 or values.shape[0] != nnz or sparse_dims + values.dim() - 1 != len(shape):
+            raise RemoteProtocolError(
+                f"sparse values {list(values.shape)} and indices {list(indices.shape)} do not fit shape {shape}"
+            )
+        if list(values.shape[1:]) != shape[sparse_dims:]:
+            raise RemoteProtocolError(f"sparse values {list(values.shape)} do not fit shape {shape}")
+        try:
+            # check_invariants makes torch verify every index is inside the shape (a bad index
+            # would be an out-of-bounds read later) and that a "coalesced" flag is true (a false
+            # one makes torch return wrong sums).
+            tensor = torch.sparse_coo_tensor(
+                indices, values.detach(), shape, is_coalesced=coalesced, check_invariants=True
+            )
+        except RuntimeError as exc:
+            raise RemoteProtocolError(f"invalid sparse tensor: {exc}") from None
+        if requires_grad:
+            tensor.requires_grad_(True)
+        return tensor
+
+    def _take_frame(self, index: Any):
+        local = index - self._first if isinstance(index, int) else -1
+        if not 0 <= local < len(self._frames):
+            raise RemoteProtocolError(
+                f"tensor descriptor refers to frame {index!r}, message has frames "
+                f"{self._first}..{self._first + len(self._frames) - 1}"
+            )
+        if self._used[local]:
+            raise RemoteProtocolError(f"frame {index} is referred to by more than one tensor descriptor")
+        self._used[local] = True
+        return self._frames[local]
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {dtype: dtype.itemsize for dtype in DTYPES_BY_NAME.values()}
+
+
+def _check_dims(what: str, dims: Any) -> list[int]:
+    if not isinstance(dims, list) or len(dims) > MAX_DIMS:
+        raise RemoteProtocolError(f"tensor {what} must be a list of at most {MAX_DIMS} ints, got {dims!r:.80}")
+    for dim in dims:
+        if type(dim) is not int or dim < 0 or dim > 1 << 62:
+            raise RemoteProtocolError(f"tensor {what} holds an invalid value {dim!r:.40}")
+    return dims
+
+
+def _strided_span(shape: list[int], strides: list[int]) -> int:
+    if 0 in shape:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+
+
+def _tensor_from_buffer(buffer: memoryview, dtype: torch.dtype, itemsize: int, count: int) -> torch.Tensor:
+    """A 1-d tensor of ``count`` items over ``buffer`` without copying when the memory is
+    writable and aligned for the dtype; the tensor keeps the buffer (and its frame) alive."""
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    if buffer.readonly:
+        buffer = bytearray(buffer)
+    tensor = torch.frombuffer(buffer, dtype=dtype)
+    if itemsize > 1 and tensor.data_ptr() % itemsize:
+        tensor = tensor.clone()  # ZeroMQ may hand small frames at any offset of its receive buffer
+    return tensor
