@@ -664,6 +664,9 @@ class Endpoint:
                 function(*args)
             except Exception:
                 log.exception("endpoint %s: callback %s failed", self.identity, getattr(function, "__name__", function))
+            # Drop the message now, not when the next one arrives: its frames' memory is then
+            # free for the allocator to hand to the next receive.
+            del item, function, args
 
     def _deliver(self, peer: str, envelope: Envelope) -> None:
         message = self._decode(peer, envelope)

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""The project's commands, runnable on a fresh machine that has only Python 3.10+.
+
+    python3 dev.py demo     # a real two-worker run over the transport on loopback
+    python3 dev.py test     # the whole test suite
+    python3 dev.py bench    # benchmarks, side by side with raw pyzmq
+
+Each creates ``.venv`` on first use and installs what it needs: torch (pinned to 2.13.0, the
+CPU build, where the environment does not have torch yet), pyzmq, msgpack, and the test
+extras; the project itself is installed in editable mode.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
+STAMP = VENV / ".installed"
+TORCH_PIN = "torch==2.13.0"
+
+
+def run(*args: str | os.PathLike) -> None:
+    subprocess.run([str(a) for a in args], cwd=ROOT, check=True)
+
+
+def ensure_venv() -> None:
+    """Create and fill .venv unless it is already up to date with pyproject.toml."""
+    pyproject = ROOT / "pyproject.toml"
+    if STAMP.exists() and STAMP.stat().st_mtime >= pyproject.stat().st_mtime:
+        return
+    if not PYTHON.exists():
+        print(f"creating {VENV}", flush=True)
+        run(sys.executable, "-m", "venv", VENV)
+    has_torch = subprocess.run([str(PYTHON), "-c", "import torch"], capture_output=True).returncode == 0
+    if not has_torch:
+        print(f"installing {TORCH_PIN}", flush=True)
+        run(PYTHON, "-m", "pip", "install", "-q", TORCH_PIN)
+    print("installing zmqautograd and its test dependencies", flush=True)
+    run(PYTHON, "-m", "pip", "install", "-q", "-e", ".[test]")
+    STAMP.touch()
+
+
+def main() -> int:
+    commands = {
+        "demo": [PYTHON, "tools/demo.py"],
+        "test": [PYTHON, "-m", "pytest", "-q", *sys.argv[2:]],
+        "bench": [PYTHON, "tools/bench_transport.py", *sys.argv[2:]],
+    }
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print(__doc__.strip())
+        return 2
+    ensure_venv()
+    return subprocess.run([str(a) for a in commands[sys.argv[1]]], cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,327 @@
+"""The ZeroMQ endpoint with real worker processes and real sockets (loopback TCP and ipc)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import signal
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from transport import (
+    EndpointClosedError,
+    LocalProtocolError,
+    Message,
+    MessageType,
+    PeerLostError,
+    UnknownPeerError,
+)
+from transport.codec import PROTOCOL_VERSION, Codec
+from transport.endpoint import Endpoint, EndpointOptions
+
+from .workers import start_server, tensor_digest
+
+pytestmark = pytest.mark.timeout(120)
+
+_ids = itertools.count(1)
+
+
+class Client:
+    """A pull-style endpoint talking to one server, with request/response helpers."""
+
+    def __init__(self, server, identity: str = "client", **options):
+        self.server = server
+        self.lost: queue.SimpleQueue = queue.SimpleQueue()
+        self.send_errors: queue.SimpleQueue = queue.SimpleQueue()
+        self.endpoint = Endpoint(
+            identity,
+            options=EndpointOptions(**options) if options else None,
+            on_peer_lost=lambda peer, error: self.lost.put((time.monotonic(), peer, error)),
+            on_send_error=lambda peer, message_id, error: self.send_errors.put((peer, message_id, error)),
+        )
+        self.endpoint.connect(server.identity, server.address)
+        self.endpoint.wait_for_peer(server.identity, 60)
+
+    def send(self, payload, message_id: int | None = None) -> int:
+        message_id = message_id or next(_ids)
+        self.endpoint.send(self.server.identity, Message(MessageType.PYTHON_CALL, message_id, self.endpoint.identity, payload))
+        return message_id
+
+    def call(self, payload, timeout: float = 60):
+        message_id = self.send(payload)
+        reply = self.endpoint.recv(timeout)
+        assert reply.type is MessageType.PYTHON_RET and reply.id == message_id
+        return reply.payload
+
+    def close(self):
+        self.endpoint.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = start_server()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def client(server):
+    c = Client(server, identity=f"client-{next(_ids)}")
+    yield c
+    c.close()
+
+
+def test_64mb_tensor_integrity(client):
+    tensor = torch.randn(16 << 20)  # 64 MiB of float32
+    assert client.call({"op": "digest", "data": tensor}) == tensor_digest(tensor)
+    echoed = client.call({"op": "echo", "data": tensor})
+    assert torch.equal(echoed, tensor)
+    echoed.mul_(2)  # the received tensor is writable and owns its memory
+
+
+def test_10000_small_messages_arrive_in_order(client):
+    for seq in range(10_000):
+        client.send({"op": "record", "seq": seq})
+    log = client.call({"op": "log"})
+    mine = [seq for sender, seq in log if sender == client.endpoint.identity]
+    assert mine == list(range(10_000))
+    # And back: 10,000 replies, in the order they were asked for.
+    ids = [client.send({"op": "echo", "data": seq}) for seq in range(10_000)]
+    replies = [client.endpoint.recv(60) for _ in ids]
+    assert [r.id for r in replies] == ids
+    assert [r.payload for r in replies] == list(range(10_000))
+
+
+def test_eight_threads_sending_at_once(client):
+    per_thread = 500
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def sender(thread_index: int) -> None:
+        try:
+            barrier.wait(10)
+            for seq in range(per_thread):
+                client.send({"op": "record", "seq": (thread_index, seq)})
+        except BaseException as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sender, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors
+    log = client.call({"op": "log"})
+    mine = [tuple(seq) for sender, seq in log if sender == client.endpoint.identity]
+    assert len(mine) == 8 * per_thread
+    for thread_index in range(8):  # each thread's messages arrive in its own order
+        assert [s for t, s in mine if t == thread_index] == list(range(per_thread))
+
+
+def test_ipc_transport_and_peer_stats():
+    with tempfile.TemporaryDirectory() as folder:
+        server = start_server("ipc-server", f"ipc://{folder}/server.sock")
+        client = Client(server)
+        try:
+            payload = torch.arange(100_000, dtype=torch.float64)  # 800 KB
+            assert torch.equal(client.call({"op": "echo", "data": payload}), payload)
+            stats = client.endpoint.stats()["ipc-server"]
+            assert stats.messages_sent >= 2 and stats.messages_received >= 2  # HELLO + call / reply
+            assert stats.bytes_sent > 800_000 and stats.bytes_received > 800_000
+            assert stats.send_errors == 0 and stats.protocol_errors == 0
+        finally:
+            client.close()
+            server.stop()
+
+
+def test_killed_peer_detected_within_bound():
+    """SIGKILL: the connection closes, and the peer is lost within the configured bound."""
+    server = start_server("doomed")
+    client = Client(server, heartbeat_interval=0.2, peer_timeout=2.0)
+    try:
+        assert client.call({"op": "echo", "data": 1}) == 1
+        killed_at = time.monotonic()
+        server.kill()
+        detected_at, peer, error = client.lost.get(timeout=10)
+        assert peer == "doomed" and isinstance(error, PeerLostError)
+        assert detected_at - killed_at < 2.0, f"detected after {detected_at - killed_at:.2f} s"
+        with pytest.raises(PeerLostError, match="doomed"):
+            client.send({"op": "echo", "data": 2})
+        assert client.endpoint.peers()["doomed"] == "lost"
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_silent_peer_detected_by_heartbeat_timeout():
+    """SIGSTOP keeps the connection open but silences the peer: only heartbeats can tell."""
+    server = start_server("frozen")
+    client = Client(server, heartbeat_interval=0.1, peer_timeout=1.0, close_linger=0.2)
+    try:
+        assert client.call({"op": "echo", "data": 1}) == 1
+        stopped_at = time.monotonic()
+        server.kill(signal.SIGSTOP)
+        message_id = client.send({"op": "echo", "data": torch.zeros(1 << 20)})  # will never be answered
+        detected_at, peer, error = client.lost.get(timeout=10)
+        assert peer == "frozen" and "no message or heartbeat" in str(error)
+        assert 0.9 <= detected_at - stopped_at < 1.0 + 2 * 0.1 + 0.5
+        assert message_id  # sent before the loss: failing it is the layer above's job (pending futures)
+        started = time.monotonic()
+        client.close()  # queued bytes to a frozen peer must not hang close
+        assert time.monotonic() - started < 2.0
+    finally:
+        server.kill(signal.SIGCONT)
+        server.stop()
+
+
+def test_unknown_peer_closed_endpoint_and_connect_timeout():
+    endpoint = Endpoint("lonely", options=EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, connect_timeout=0.5))
+    lost = queue.SimpleQueue()
+    endpoint._on_peer_lost = lambda peer, error: lost.put((peer, str(error)))
+    try:
+        with pytest.raises(UnknownPeerError, match="nobody"):
+            endpoint.send("nobody", Message(MessageType.PYTHON_CALL, 1, "lonely"))
+        endpoint.expect("ghost")  # never connects
+        peer, reason = lost.get(timeout=5)
+        assert peer == "ghost" and "did not complete HELLO" in reason
+    finally:
+        endpoint.close()
+    with pytest.raises(EndpointClosedError):
+        endpoint.send("ghost", Message(MessageType.PYTHON_CALL, 1, "lonely"))
+    endpoint.close()  # idempotent
+
+
+def test_messages_wait_for_an_expected_peer_then_flow(server):
+    """The accepting side may send before the connecting side's HELLO: the messages wait."""
+    received = queue.SimpleQueue()
+    acceptor = Endpoint("a-accept", on_message=received.put)
+    connector = Endpoint("b-connect")
+    try:
+        acceptor.add_peer("b-connect", connector.address)  # sorts first: it will wait
+        acceptor.send("b-connect", Message(MessageType.PYTHON_CALL, 1, "a-accept", "early"))
+        connector.add_peer("a-accept", acceptor.address)  # connects
+        message = connector.recv(10)
+        assert message.payload == "early" and message.sender == "a-accept"
+        connector.send("a-accept", Message(MessageType.PYTHON_RET, 1, "b-connect", "reply"))
+        assert received.get(timeout=10).payload == "reply"
+    finally:
+        connector.close()
+        acceptor.close()
+
+
+def test_slow_handler_does_not_stall_the_socket():
+    release = threading.Event()
+    handled = queue.SimpleQueue()
+
+    def slow(message):
+        release.wait(30)
+        handled.put(message.payload)
+
+    receiver = Endpoint("slow-receiver", on_message=slow)
+    sender = Endpoint("fast-sender", options=EndpointOptions(heartbeat_interval=0.1, peer_timeout=5.0))
+    try:
+        sender.connect("slow-receiver", receiver.address)
+        sender.wait_for_peer("slow-receiver", 10)
+        for seq in range(50):
+            sender.send("slow-receiver", Message(MessageType.PYTHON_CALL, seq + 1, "fast-sender", seq))
+        # While the handler is blocked, the I/O thread keeps receiving and answering heartbeats.
+        deadline = time.monotonic() + 10
+        while receiver.stats()["fast-sender"].messages_received < 51 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert receiver.stats()["fast-sender"].messages_received >= 51
+        assert sender.peers()["slow-receiver"] == "ready"
+        release.set()
+        assert [handled.get(timeout=10) for _ in range(50)] == list(range(50))
+    finally:
+        release.set()
+        sender.close()
+        receiver.close()
+
+
+def test_malformed_multipart_messages_get_protocol_errors_and_worker_keeps_serving(client):
+    raw_context = zmq.Context()
+    raw = raw_context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, b"raw-intruder")
+    raw.connect(client.server.address)
+    codec = Codec()
+    try:
+        bad_messages = [
+            [b"\xff\xfe not msgpack"],
+            [b""],
+            [codec.encode(Message(MessageType.PYTHON_CALL, 5, "raw-intruder", None))[0][:3]],  # truncated
+            [Codec().encode(Message(MessageType.PYTHON_CALL, 6, "someone-else", None))[0]],  # spoofed sender
+            [__import__("msgpack").packb([PROTOCOL_VERSION + 1, 16, 7, "raw-intruder", b""])],
+            [b"x"] * 70_000,  # absurd frame count
+        ]
+        for frames in bad_messages:
+            raw.send_multipart(frames)
+            assert raw.poll(10_000), f"no answer to {frames[0][:20]!r}"
+            reply = codec.decode(raw.recv_multipart())
+            assert reply.type is MessageType.PROTOCOL_ERROR
+            assert "Error" in reply.payload["error"]
+        # A well-formed message from a peer that never said HELLO is refused too.
+        raw.send_multipart(codec.encode(Message(MessageType.PYTHON_CALL, 8, "raw-intruder", None)))
+        assert raw.poll(10_000)
+        reply = codec.decode(raw.recv_multipart())
+        assert reply.type is MessageType.PROTOCOL_ERROR and "before HELLO" in reply.payload["error"]
+        # The worker is still up and serves valid calls correctly.
+        assert torch.equal(client.call({"op": "echo", "data": torch.ones(3)}), torch.ones(3))
+    finally:
+        raw.close(0)
+        raw_context.term()
+
+
+def test_peer_rejecting_our_payload_reports_a_send_error(client):
+    """A payload the peer cannot decode fails that message on our side, typed and identified."""
+    class Evil(Codec):
+        def encode(self, message):
+            frames = super().encode(message)
+            return [frames[0], b"\0" * 3] if len(frames) == 2 else frames  # wrong buffer size
+
+    client.endpoint.codec = Evil()
+    try:
+        message_id = client.send({"op": "echo", "data": torch.ones(4)})
+    finally:
+        client.endpoint.codec = Codec()
+    peer, failed_id, error = client.send_errors.get(timeout=10)
+    assert (peer, failed_id) == ("server", message_id)
+    assert isinstance(error, LocalProtocolError) and "rejected message" in str(error)
+    assert client.call({"op": "echo", "data": 5}) == 5
+
+
+def test_close_with_dead_peer_does_not_hang():
+    server = start_server("dies-before-close")
+    client = Client(server, heartbeat_interval=0.2, peer_timeout=5.0, detect_disconnect=False, close_linger=0.5)
+    server.kill(signal.SIGSTOP)
+    try:
+        for _ in range(4):
+            client.send({"op": "echo", "data": torch.zeros(4 << 20)})  # 64 MiB queued to a frozen peer
+        started = time.monotonic()
+        client.close()
+        assert time.monotonic() - started < 3.0
+    finally:
+        server.kill(signal.SIGCONT)
+        server.stop()
+
+
+def test_bind_failure_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="could not bind"):
+        Endpoint("bad-bind", "tcp://256.0.0.1:1")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_travel_through_pinned_staging(client):
+    from transport.staging import default_pool
+
+    tensor = torch.randn(1 << 20, device="cuda")
+    assert torch.equal(client.call({"op": "echo", "data": tensor}), tensor)  # server maps cuda:0 -> cuda:0
+    allocations = default_pool().allocations
+    for _ in range(5):
+        assert torch.equal(client.call({"op": "echo", "data": tensor}), tensor)
+    assert default_pool().allocations == allocations  # staging buffers are reused
