@@ -437,3 +437,55 @@ def test_fuzz_deterministic_mutations_of_every_byte():
         mutated = bytearray(frames[0])
         mutated[position] = rng.randrange(256)
         decode_or_protocol_error([bytes(mutated), *frames[1:]])
+
+
+# ------------------------------------------------------------------------------- devices
+
+
+def test_pinned_pool_reuses_buffers_by_size_class_and_stays_bounded():
+    from transport.staging import PinnedBufferPool
+
+    pool = PinnedBufferPool(max_cached_bytes=1 << 20, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+    first = pool.acquire(100_000)
+    assert first.capacity == 1 << 17 and pool.allocations == 1
+    pool.release(first)
+    assert pool.acquire(70_000) is first and pool.allocations == 1  # same size class: reused
+    big = pool.acquire(3 << 20)
+    pool.release(big)  # over the cache bound: dropped, not kept
+    assert pool.cached_bytes == 0
+    pool.release(first)
+    assert pool.cached_bytes == first.capacity
+
+
+def test_cuda_descriptor_on_a_host_without_that_device_is_a_clear_error():
+    from transport import DeviceMapError
+
+    frames = forge(payload=tensor_ext(["dense", "float32", [2], None, 1, 8, "cuda:7", False]), buffers=[b"\0" * 8])
+    if torch.cuda.device_count() <= 7:
+        with pytest.raises(DeviceMapError, match="cuda:7"):
+            CODEC.decode(frames)
+    mapped = Codec(device_map={"cuda:7": "cpu"}).decode(frames).payload
+    assert mapped.device.type == "cpu" and torch.equal(mapped, torch.zeros(2))
+    by_function = Codec(device_map=lambda device: torch.device("cpu")).decode(frames).payload
+    assert by_function.device.type == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_stage_through_pinned_buffers_and_land_on_the_mapped_device():
+    from transport.staging import PinnedBufferPool
+
+    pool = PinnedBufferPool()
+    codec = Codec(pinned_pool=pool)
+    tensors = [torch.randn(1000, 300, device="cuda"), torch.randn(64, 32, device="cuda").t(), torch.tensor(3.0, device="cuda")]
+    allocations_after_first = None
+    for _ in range(3):
+        frames = codec.encode(Message(MessageType.PYTHON_CALL, 1, "a", tensors))
+        allocations_after_first = allocations_after_first or pool.allocations
+        received = [bytearray(memoryview(f)) for f in frames]
+        del frames  # releases the staging buffers back to the pool
+        got = codec.decode(received).payload
+        for g, t in zip(got, tensors):
+            assert g.device == t.device and torch.equal(g, t)
+        on_cpu = Codec(device_map={"cuda:0": "cpu"}).decode(received).payload
+        assert all(g.device.type == "cpu" and torch.equal(g, t.cpu()) for g, t in zip(on_cpu, tensors))
+    assert pool.allocations == allocations_after_first  # later messages reuse the pinned buffers

@@ -143,6 +143,7 @@ class Envelope:
     sender: int | str
     payload_bytes: bytes
     buffers: Sequence[Any]
+    nbytes: int = 0  # all frames together, envelope included
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,9 @@ class Codec:
             raise RemoteProtocolError("empty message: no envelope frame")
         if len(frames) > self.max_frames:
             raise MessageTooLargeError(f"message has {len(frames)} frames, the limit is {self.max_frames}")
-        total = sum(_frame_size(frame) for frame in frames)
+        total = 0
+        for frame in frames:
+            total += frame.nbytes if type(frame) is memoryview else len(frame)
         if total > self.max_message_bytes:
             raise MessageTooLargeError(f"message is {total} bytes, the limit is {self.max_message_bytes}")
         raw = _frame_bytes(frames[0])
@@ -288,7 +291,7 @@ class Codec:
         _check_sender(sender, RemoteProtocolError)
         if not isinstance(payload, bytes):
             raise RemoteProtocolError("envelope payload must be bytes")
-        return Envelope(message_type, message_id, sender, payload, frames[1:])
+        return Envelope(message_type, message_id, sender, payload, frames[1:], total)
 
     def decode_payload(self, envelope: Envelope) -> Any:
         unpacker = _PayloadUnpacker(self, TensorDecoder(envelope.buffers, 1, self.device_map))
@@ -391,12 +394,6 @@ def _check_sender(sender: Any, error: type[ProtocolError]) -> None:
             raise error(f"sender name longer than {MAX_SENDER_LENGTH} characters")
     else:
         raise error(f"sender must be an int or a str, got {type(sender).__name__}")
-
-
-def _frame_size(frame: Any) -> int:
-    if hasattr(frame, "buffer"):
-        return frame.buffer.nbytes
-    return memoryview(frame).nbytes
 
 
 def _frame_bytes(frame: Any) -> bytes:

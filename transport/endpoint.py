@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 _CONTROL_TYPES = frozenset(
     {MessageType.HELLO, MessageType.HEARTBEAT, MessageType.GOODBYE, MessageType.PROTOCOL_ERROR}
 )
-_RECV_BATCH = 256  # messages received per loop turn before the outbox gets a look again
+_RECV_BATCH = 256
+_ZERO_COPY_MIN = 1 << 16  # messages received per loop turn before the outbox gets a look again
 _endpoint_serial = itertools.count()
 
 
@@ -107,9 +108,13 @@ class _Peer:
     last_seen: float = field(default_factory=time.monotonic)
     last_sent: float = 0.0
     fd: int | None = None  # the accepted connection's file descriptor, when they connected
+    routing_id: bytes = b""
     waiting: deque = field(default_factory=deque)  # (message_id, frames) held until HELLO
     lost_error: PeerLostError | None = None
     ready: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.routing_id = self.name.encode()
 
 
 class Endpoint:
@@ -398,22 +403,23 @@ class Endpoint:
     def _io_loop(self) -> None:
         interval = self.options.heartbeat_interval
         next_tick = time.monotonic() + interval
+        poll = self._poller.poll
+        wake, monitor, router = self._wake_pull, self._monitor, self._router
         while True:
+            timeout_ms = 0
             with self._lock:
-                self._io_asleep = not self._outbox
-            timeout = max(0.0, next_tick - time.monotonic()) if self._io_asleep else 0.0
-            ready = dict(self._poller.poll(int(timeout * 1000)))
-            with self._lock:
-                self._io_asleep = False
-            if self._wake_pull in ready:
-                while True:
-                    try:
-                        self._wake_pull.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-            if self._monitor in ready:
+                if not self._outbox:
+                    self._io_asleep = True  # from here on, a sender must wake us
+                    timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+            ready = dict(poll(timeout_ms))
+            # Unlocked: a sender that still sees True only sends one wake-up too many.
+            self._io_asleep = False
+            if wake in ready:
+                while wake.get(zmq.EVENTS) & zmq.POLLIN:
+                    wake.recv()
+            if monitor in ready:
                 self._read_monitor()
-            if self._router in ready:
+            if router in ready:
                 self._receive_batch()
             if not self._drain_outbox():
                 return
@@ -423,12 +429,11 @@ class Endpoint:
                 next_tick = now + interval
 
     def _drain_outbox(self) -> bool:
-        """Execute queued commands; False once told to close."""
-        while True:
-            with self._lock:
-                if not self._outbox:
-                    return True
-                command = self._outbox.popleft()
+        """Execute queued commands; False once told to close. Only this thread pops the
+        outbox, and deque operations are atomic, so popping needs no lock."""
+        outbox = self._outbox
+        while outbox:
+            command = outbox.popleft()
             kind = command[0]
             if kind == "send":
                 _, peer, message_id, frames, nbytes = command
@@ -439,6 +444,7 @@ class Endpoint:
             elif kind == "close":
                 self._say_goodbye()
                 return False
+        return True
 
     def _connect(self, peer: str, address: str) -> None:
         try:
@@ -455,18 +461,21 @@ class Endpoint:
         self._send_to_peer(peer, 0, hello, _frames_nbytes(hello))
 
     def _send_to_peer(self, peer: str, message_id: int, frames: list, nbytes: int) -> None:
-        with self._lock:
-            record = self._peers.get(peer)
-            if record is not None and record.state is PeerState.EXPECTED:
-                record.waiting.append((message_id, frames, nbytes))
-                return
+        # Peer states change on this thread only (records are created under the lock by
+        # other threads, and a dict lookup is atomic), so no lock is needed here.
+        record = self._peers.get(peer)
+        if record is not None and record.state is PeerState.EXPECTED:
+            record.waiting.append((message_id, frames, nbytes))
+            return
         if record is None or record.state is PeerState.LOST:
             error = record.lost_error if record else UnknownPeerError(peer, f"unknown peer {peer!r}")
             self._report_send_error(peer, message_id, error)
             return
         stats = self._stats[peer]
         try:
-            self._router.send_multipart([peer.encode(), *frames], flags=zmq.NOBLOCK, copy=False)
+            # Zero-copy frames cost more to set up than small copies: only big messages use them.
+            copy = nbytes < _ZERO_COPY_MIN
+            self._router.send_multipart([record.routing_id, *frames], flags=zmq.NOBLOCK, copy=copy)
         except zmq.ZMQError as exc:
             stats.send_errors += 1
             reason = "no connection to it" if exc.errno == zmq.EHOSTUNREACH else str(exc)
@@ -482,12 +491,11 @@ class Endpoint:
             self._dispatch_queue.put((self._on_send_error, (peer, message_id, error)))
 
     def _receive_batch(self) -> None:
+        router = self._router
         for _ in range(_RECV_BATCH):
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not router.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than catching zmq.Again
                 return
-            self._handle_incoming(frames)
+            self._handle_incoming(router.recv_multipart(copy=False))
 
     def _handle_incoming(self, frames: list[zmq.Frame]) -> None:
         routing_id = frames[0].bytes
@@ -504,9 +512,8 @@ class Endpoint:
         except ProtocolError as exc:
             self._protocol_error(routing_id, peer, None, exc)
             return
-        with self._lock:
-            record = self._peers.get(peer)
-            stats = self._stats.get(peer)
+        record = self._peers.get(peer)
+        stats = self._stats.get(peer)
         if envelope.type is MessageType.HELLO:
             record = self._hello(peer, frames[1])
             stats = self._stats[peer]
@@ -520,7 +527,7 @@ class Endpoint:
             return
         record.last_seen = time.monotonic()
         stats.messages_received += 1
-        stats.bytes_received += sum(frame.buffer.nbytes for frame in frames[1:])
+        stats.bytes_received += envelope.nbytes
         kind = envelope.type
         if kind in _CONTROL_TYPES:
             if kind is MessageType.HEARTBEAT:

@@ -8,11 +8,16 @@ power of two and a released buffer is reused by the next message of that size cl
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 _MIN_CLASS = 1 << 16
+
+
+def _allocate_pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _size_class(nbytes: int) -> int:
@@ -34,8 +39,9 @@ class PinnedBufferPool:
     """A thread-safe pool of pinned host buffers, bounded by ``max_cached_bytes`` of idle
     buffers (buffers in use are not bounded: a message needs what it needs)."""
 
-    def __init__(self, max_cached_bytes: int = 1 << 30):
+    def __init__(self, max_cached_bytes: int = 1 << 30, allocate: Callable[[int], torch.Tensor] | None = None):
         self.max_cached_bytes = max_cached_bytes
+        self._allocate = allocate or _allocate_pinned
         self._lock = threading.Lock()
         self._free: dict[int, list[PinnedBlock]] = {}
         self._cached_bytes = 0
@@ -49,7 +55,7 @@ class PinnedBufferPool:
                 self._cached_bytes -= capacity
                 return blocks.pop()
             self.allocations += 1
-        return PinnedBlock(torch.empty(capacity, dtype=torch.uint8, pin_memory=True), capacity)
+        return PinnedBlock(self._allocate(capacity), capacity)
 
     def release(self, block: PinnedBlock) -> None:
         with self._lock:

@@ -134,10 +134,12 @@ class TensorEncoder:
             data = data.detach().resolve_conj().resolve_neg()
         strides: list[int] | None = None
         if not data.is_contiguous():
-            if _dense_span(data) is not None:
-                strides = list(data.stride())
+            if data.is_cpu and _dense_span(data) is not None:
+                strides = list(data.stride())  # sent as it lies in memory, no copy
             else:
-                data = data.detach().contiguous()  # compacts: only the covered bytes are kept
+                # Compacts (only the covered bytes are kept); CUDA tensors are compacted on
+                # their device, so the staging copy is one flat device-to-host transfer.
+                data = data.detach().contiguous()
         nbytes = data.numel() * data.element_size()
         if data.is_cpu:
             device = "cpu"
@@ -162,8 +164,7 @@ class TensorEncoder:
             return b""
         pool = self._pinned_pool or default_pool()
         block = pool.acquire(nbytes)
-        flat = data.contiguous() if not data.is_contiguous() else data
-        source = flat.reshape(-1).view(torch.uint8) if flat.dim() else flat.reshape(1).view(torch.uint8)
+        source = data.reshape(-1).view(torch.uint8)  # contiguous here (see _add_dense)
         with torch.cuda.device(data.device):
             block.tensor[:nbytes].copy_(source, non_blocking=True)
             event = torch.cuda.Event()
