@@ -50,7 +50,7 @@ def main() -> None:
     driver.connect("worker", address_queue.get(timeout=60))
     driver.wait_for_peer("worker", 30)
     print(f"driver {driver.address} <-> worker {driver.peers()}: tensors out, doubled tensors back\n")
-    print(f"{'tensor':>10} {'round trips':>12} {'median RTT':>12} {'throughput':>14}")
+    print(f"{'tensor':>10} {'round trips':>12} {'median RTT':>12} {'round trips/s':>14} {'throughput':>14}")
     message_id = 0
     for nbytes, count in ((8, 2000), (1 << 10, 2000), (1 << 20, 50), (16 << 20, 10), (64 << 20, 5)):
         tensor = torch.randn(nbytes // 4)
@@ -65,7 +65,7 @@ def main() -> None:
         rtt = statistics.median(times)
         label = f"{nbytes} B" if nbytes < 1024 else f"{nbytes >> 10} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB"
         rate = 2 * nbytes / rtt / 1e6
-        print(f"{label:>10} {count:>12} {rtt * 1e6:>9.0f} us {rate:>10.1f} MB/s", flush=True)
+        print(f"{label:>10} {count:>12} {rtt * 1e6:>9.0f} us {1 / rtt:>14.0f} {rate:>10.1f} MB/s", flush=True)
     stats = driver.stats()["worker"]
     print(f"\nall answers checked; driver sent {stats.messages_sent} messages ({stats.bytes_sent / 1e6:.1f} MB), "
           f"received {stats.messages_received} ({stats.bytes_received / 1e6:.1f} MB)")

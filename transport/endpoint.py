@@ -533,7 +533,7 @@ class Endpoint:
             if kind is MessageType.HEARTBEAT:
                 stats.heartbeats_received += 1
             elif kind is MessageType.GOODBYE:
-                self._peer_lost(peer, "the peer closed its endpoint")
+                self._peer_lost(peer, "the peer closed its endpoint", level=logging.INFO)
             elif kind is MessageType.PROTOCOL_ERROR:
                 self._dispatch_queue.put((self._peer_rejected, (peer, envelope)))
             return
@@ -619,7 +619,7 @@ class Endpoint:
                 if now - record.since > options.connect_timeout:
                     self._peer_lost(record.name, f"did not complete HELLO within {options.connect_timeout} s")
 
-    def _peer_lost(self, peer: str, reason: str) -> None:
+    def _peer_lost(self, peer: str, reason: str, level: int = logging.WARNING) -> None:
         with self._lock:
             record = self._peers.get(peer)
             if record is None or record.state is PeerState.LOST:
@@ -628,7 +628,7 @@ class Endpoint:
             error = PeerLostError(peer, f"{self.identity}: lost peer {peer!r}: {reason}")
             record.lost_error = error
             waiting, record.waiting = record.waiting, deque()
-        log.warning("%s", error)
+        log.log(level, "%s", error)
         if record.address is not None:
             self._by_address.pop(record.address, None)
             try:
