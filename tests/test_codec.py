@@ -489,3 +489,14 @@ def test_cuda_tensors_stage_through_pinned_buffers_and_land_on_the_mapped_device
         on_cpu = Codec(device_map={"cuda:0": "cpu"}).decode(received).payload
         assert all(g.device.type == "cpu" and torch.equal(g, t.cpu()) for g, t in zip(on_cpu, tensors))
     assert pool.allocations == allocations_after_first  # later messages reuse the pinned buffers
+
+
+def test_as_buffer_is_zero_copy_and_refuses_what_it_cannot_export():
+    from transport.tensors import as_buffer
+
+    tensor = torch.arange(10, dtype=torch.int32)
+    buffer = as_buffer(tensor)
+    assert ctypes.addressof(buffer) == tensor.data_ptr() and memoryview(buffer).nbytes == 40
+    assert as_buffer(torch.empty(0)) == b""
+    with pytest.raises(ValueError):
+        as_buffer(torch.ones(4, 4).t())

@@ -17,14 +17,12 @@ import torch
 
 from transport import Message, MessageType
 from transport.endpoint import Endpoint, EndpointOptions
-from transport.tensors import _export_memory
+from transport.tensors import as_buffer
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """sha256 of a contiguous CPU tensor's bytes (no numpy needed)."""
-    tensor = tensor.contiguous()
-    nbytes = tensor.numel() * tensor.element_size()
-    return hashlib.sha256(_export_memory(tensor.data_ptr(), nbytes, tensor) if nbytes else b"").hexdigest()
+    return hashlib.sha256(as_buffer(tensor.contiguous())).hexdigest()
 
 
 def serve(address_queue, identity: str, bind: str, options: dict | None = None) -> None:

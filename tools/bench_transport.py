@@ -25,6 +25,7 @@ import zmq  # noqa: E402
 
 from transport import Message, MessageType  # noqa: E402
 from transport.endpoint import Endpoint  # noqa: E402
+from transport.tensors import as_buffer  # noqa: E402
 
 SIZES_MB = (1, 16, 64)
 
@@ -44,21 +45,27 @@ def _raw_server(address_queue: mp.Queue) -> None:
         socket.send_multipart(frames, copy=False)
 
 
+def _spawn_server(target) -> tuple[mp.Process, str]:
+    """Start ``target(address_queue)`` in a fresh process; return it and the address it bound."""
+    ctx = mp.get_context("spawn")
+    address_queue = ctx.Queue()
+    process = ctx.Process(target=target, args=(address_queue,), daemon=True)
+    process.start()
+    return process, address_queue.get(timeout=60)
+
+
 class RawClient:
     """DEALER client of a raw ROUTER echo server in another process."""
 
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        address_queue = ctx.Queue()
-        self.server = ctx.Process(target=_raw_server, args=(address_queue,), daemon=True)
-        self.server.start()
+        self.server, address = _spawn_server(_raw_server)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
-        self.socket.connect(address_queue.get(timeout=60))
+        self.socket.connect(address)
         self.header = b"h" * 32
 
     def round_trip(self, payload: torch.Tensor) -> None:
-        buffer = payload.numpy() if payload.numel() > 64 else bytes(8)
+        buffer = as_buffer(payload) if payload.numel() > 64 else bytes(8)
         self.socket.send_multipart([self.header, buffer], copy=False)
         frames = self.socket.recv_multipart(copy=False)
         assert frames[1].buffer.nbytes == memoryview(buffer).nbytes
@@ -68,14 +75,6 @@ class RawClient:
         self.server.join(10)
         self.socket.close(0)
         self.context.term()
-
-
-def _has_numpy() -> bool:
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # ----------------------------------------------------------------------------- zmqautograd
@@ -101,12 +100,9 @@ class EndpointClient:
     """zmqautograd Endpoint client of an Endpoint echo server in another process."""
 
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        address_queue = ctx.Queue()
-        self.server = ctx.Process(target=_endpoint_server, args=(address_queue,), daemon=True)
-        self.server.start()
+        self.server, address = _spawn_server(_endpoint_server)
         self.endpoint = Endpoint("client")
-        self.endpoint.connect("server", address_queue.get(timeout=60))
+        self.endpoint.connect("server", address)
         self.endpoint.wait_for_peer("server", 30)
         self.ids = iter(range(1, 1 << 62))
 

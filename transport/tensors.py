@@ -75,6 +75,15 @@ def _export_memory(address: int, nbytes: int, owner: object) -> ctypes.Array:
     return array
 
 
+def as_buffer(tensor: torch.Tensor) -> Buffer:
+    """The bytes of a contiguous CPU tensor as a buffer-protocol object, without a copy (the
+    object keeps the tensor alive). For hashing, writing to files, or handing to sockets."""
+    if not tensor.is_cpu or not tensor.is_contiguous():
+        raise ValueError("as_buffer needs a contiguous CPU tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    return _export_memory(tensor.data_ptr(), nbytes, tensor) if nbytes else b""
+
+
 def _dense_span(tensor: torch.Tensor) -> int | None:
     """Element count of the memory span if ``tensor`` covers it densely without overlap (any
     permutation of dims), else None. Such tensors can be sent as they lie in memory."""
