@@ -325,3 +325,15 @@ def test_cuda_tensors_travel_through_pinned_staging(client):
     for _ in range(5):
         assert torch.equal(client.call({"op": "echo", "data": tensor}), tensor)
     assert default_pool().allocations == allocations  # staging buffers are reused
+
+
+def test_short_lived_sender_threads_do_not_accumulate_wake_sockets(client):
+    """Every sending thread gets an inproc wake-up socket; finished threads' are closed."""
+    for seq in range(50):
+        thread = threading.Thread(target=client.send, args=({"op": "record", "seq": seq},))
+        thread.start()
+        thread.join(10)
+        client.endpoint._io_asleep = True  # force a wake-up, so each thread makes its socket
+    assert len(client.endpoint._wake_sockets) <= 3
+    log = client.call({"op": "log"})
+    assert [seq for sender, seq in log if sender == client.endpoint.identity] == list(range(50))

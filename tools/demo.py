@@ -16,8 +16,11 @@ import statistics
 import sys
 import threading
 import time
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# torch warns at import when numpy is absent; nothing here uses numpy.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy")
 
 import torch  # noqa: E402
 

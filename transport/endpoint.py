@@ -164,7 +164,7 @@ class Endpoint:
         self._closed = False
         self._close_called = False
         self._wake_address = f"inproc://zmqautograd-wake-{next(_endpoint_serial)}"
-        self._wake_sockets: list[zmq.Socket] = []
+        self._wake_sockets: list[tuple[threading.Thread, zmq.Socket]] = []
         self._thread_local = threading.local()
         self._dispatch_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue | None = None if on_message else queue.SimpleQueue()
@@ -295,7 +295,7 @@ class Endpoint:
                 self._post_locked(("close",))
         self._io_thread.join()
         with self._lock:
-            for socket in self._wake_sockets:
+            for _thread, socket in self._wake_sockets:
                 socket.close(linger=0)
             self._wake_sockets.clear()
         self._dispatch_queue.put(None)
@@ -328,11 +328,20 @@ class Endpoint:
         """This thread's inproc PUSH socket to the I/O thread (used under the lock only)."""
         socket = getattr(self._thread_local, "socket", None)
         if socket is None:
+            # Threads come and go; close the sockets of finished ones (safe: a socket is only
+            # used under the lock, which we hold).
+            live = []
+            for thread, old in self._wake_sockets:
+                if thread.is_alive():
+                    live.append((thread, old))
+                else:
+                    old.close(linger=0)
             socket = self._context.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(self._wake_address)
             self._thread_local.socket = socket
-            self._wake_sockets.append(socket)
+            live.append((threading.current_thread(), socket))
+            self._wake_sockets = live
         return socket
 
     # --------------------------------------------------------------------- the I/O thread
