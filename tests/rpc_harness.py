@@ -1,0 +1,66 @@
+"""Real multi-process RPC groups for the tests: worker processes that join with init_rpc and
+serve until the driver (the test process, rank 0) shuts the group down."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import traceback
+
+import zmqautograd.rpc as rpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_main(rank: int, world_size: int, init_method: str, options: dict, errors) -> None:
+    try:
+        rpc.init_rpc(
+            f"worker{rank}", rank=rank, world_size=world_size,
+            rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, **options),
+        )
+        rpc.shutdown()  # graceful: serves everyone until every worker reaches shutdown
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+
+
+class Group:
+    """Ranks 1..world_size-1 in worker processes; rank 0 is the calling (test) process."""
+
+    def __init__(self, world_size: int = 4, **options):
+        self.world_size = world_size
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        ctx = mp.get_context("spawn")
+        self.errors = ctx.Queue()
+        self.processes = [
+            ctx.Process(target=worker_main, args=(rank, world_size, self.init_method, options, self.errors), daemon=True)
+            for rank in range(1, world_size)
+        ]
+        for process in self.processes:
+            process.start()
+        rpc.init_rpc(
+            "worker0", rank=0, world_size=world_size,
+            rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=self.init_method, **options),
+        )
+
+    @property
+    def names(self) -> list[str]:
+        return [f"worker{rank}" for rank in range(self.world_size)]
+
+    def shutdown(self) -> None:
+        try:
+            rpc.shutdown()
+        finally:
+            for process in self.processes:
+                process.join(30)
+                if process.is_alive():
+                    process.kill()
+        failures = []
+        while not self.errors.empty():
+            failures.append(self.errors.get())
+        assert not failures, f"worker failures: {failures}"
+        assert all(p.exitcode == 0 for p in self.processes), [p.exitcode for p in self.processes]

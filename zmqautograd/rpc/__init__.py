@@ -1,0 +1,26 @@
+"""RPC with the API and semantics of ``torch.distributed.rpc``, over ZeroMQ.
+
+Port code by changing ``import torch.distributed.rpc as rpc`` to
+``import zmqautograd.rpc as rpc``.
+"""
+
+from .agent import WorkerInfo
+from .api import (
+    _get_rpc_timeout,
+    _is_initialized,
+    _set_rpc_timeout,
+    get_worker_info,
+    init_rpc,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+)
+from .errors import RemoteException, RendezvousError, RpcError, RpcNotInitializedError, RpcTimeoutError, SerializationError
+from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
+
+__all__ = [
+    "WorkerInfo", "get_worker_info", "init_rpc", "rpc_async", "rpc_sync", "shutdown",
+    "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized",
+    "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
+    "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",
+]

@@ -1,0 +1,290 @@
+"""The RPC agent: one per process between ``init_rpc`` and ``shutdown``.
+
+It owns the transport endpoint, the pool that runs incoming calls, the table of pending
+calls (futures by message id) and their timeouts. The endpoint's dispatcher thread completes
+futures; the pool runs user functions; the endpoint's I/O thread never runs either.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from transport import LocalProtocolError, Message, MessageType, PeerLostError, TransportError
+from transport.endpoint import Endpoint, EndpointOptions
+
+from .errors import RpcError, RpcTimeoutError, SerializationError
+from .options import UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
+from .pool import ElasticPool
+from .rendezvous import Member, Rendezvous, advertise_address
+from .serialization import RpcCodec, decode_exception, encode_exception, encode_function, resolve_function
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's name and id (its rank), as ``torch.distributed.rpc.WorkerInfo``."""
+
+    name: str
+    id: int
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+    __str__ = __repr__
+
+
+@dataclass
+class _Pending:
+    future: torch.futures.Future
+    to: WorkerInfo
+    timeout: float
+
+
+class Agent:
+    def __init__(self, name: str, rendezvous: Rendezvous, options: ZmqRpcBackendOptions):
+        self.options = options
+        self.rank = rendezvous.rank
+        self.info = WorkerInfo(name, self.rank)
+        self.default_timeout = options.rpc_timeout
+        self.codec = RpcCodec(allow_pickle=options.allow_pickle)
+        host = advertise_address(rendezvous.master_addr, options.advertise_address)
+        self.endpoint = Endpoint(
+            str(self.rank),
+            f"tcp://{host}:0",
+            on_message=self._on_message,
+            on_peer_lost=self._on_peer_lost,
+            on_send_error=self._on_send_error,
+            codec=self.codec,
+            options=EndpointOptions(
+                heartbeat_interval=options.heartbeat_interval,
+                peer_timeout=options.peer_timeout,
+                connect_timeout=rendezvous.timeout,
+            ),
+        )
+        self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}")
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._deadlines: list[tuple[float, int]] = []
+        self._deadline_changed = threading.Condition(self._lock)
+        self._stopping = False
+        self._timer = threading.Thread(target=self._expire_loop, name=f"rpc-timeouts-{name}", daemon=True)
+        self._timer.start()
+        try:
+            members = rendezvous.exchange(name, self.endpoint.address)
+            self._set_members(members)
+        except BaseException:
+            self._close_now("init_rpc failed")
+            raise
+
+    def _set_members(self, members: list[Member]) -> None:
+        self.workers = {m.name: WorkerInfo(m.name, m.rank) for m in members}
+        self.workers_by_id = {info.id: info for info in self.workers.values()}
+        for member in members:
+            if member.rank != self.rank:
+                self.endpoint.add_peer(str(member.rank), member.address)
+        for member in members:
+            if member.rank != self.rank:
+                self.endpoint.wait_for_peer(str(member.rank), self.endpoint.options.connect_timeout)
+
+    # ---------------------------------------------------------------------------- lookup
+
+    def worker_info(self, to: Any) -> WorkerInfo:
+        if isinstance(to, WorkerInfo):
+            info = self.workers_by_id.get(to.id)
+            if info is None or info.name != to.name:
+                raise RpcError(f"unknown worker {to}")
+            return info
+        if isinstance(to, str):
+            info = self.workers.get(to)
+            if info is None:
+                raise RpcError(f"unknown destination worker {to!r}; workers are {sorted(self.workers)}")
+            return info
+        if isinstance(to, int) and not isinstance(to, bool):
+            info = self.workers_by_id.get(to)
+            if info is None:
+                raise RpcError(f"unknown destination worker id {to}; ids are 0..{len(self.workers) - 1}")
+            return info
+        raise TypeError(f"'to' must be a worker name, id or WorkerInfo, got {type(to).__qualname__}")
+
+    # --------------------------------------------------------------------------- calling
+
+    def call(self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float) -> torch.futures.Future:
+        """Send a call; the returned future completes with its result or exception."""
+        info = self.worker_info(to)
+        if args is not None and not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple or list, got {type(args).__qualname__}")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"kwargs must be a dict, got {type(kwargs).__qualname__}")
+        payload = {"f": encode_function(function), "a": tuple(args or ()), "k": dict(kwargs or {})}
+        timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
+        future: torch.futures.Future = torch.futures.Future()
+        message_id = next(self._ids)
+        message = Message(MessageType.PYTHON_CALL, message_id, str(self.rank), payload)
+        with self._lock:
+            if self._stopping:
+                raise RpcError("RPC is shutting down on this worker")
+            self._pending[message_id] = _Pending(future, info, timeout)
+            if timeout > 0:
+                heapq.heappush(self._deadlines, (time.monotonic() + timeout, message_id))
+                self._deadline_changed.notify()
+        try:
+            if info.id == self.rank:
+                self._call_self(message)
+            else:
+                self.endpoint.send(str(info.id), message)
+        except (TransportError, SerializationError) as exc:
+            with self._lock:
+                self._pending.pop(message_id, None)
+            raise _with_context(exc, f"cannot send a call to {info}") from None
+        return future
+
+    def wait(self, future: torch.futures.Future) -> Any:
+        """``future.wait()``, telling the pool when a pool thread blocks (nested RPCs)."""
+        with self.pool.blocking():
+            return future.wait()
+
+    def _call_self(self, message: Message) -> None:
+        # A call to ourselves goes through the codec like any other, so that the callee sees
+        # copies of the arguments, as it would from another worker.
+        frames = [bytearray(memoryview(f)) for f in self.codec.encode(message)]
+        self.pool.submit(self._serve, self.codec.decode(frames))
+
+    # ------------------------------------------------------------------------- receiving
+
+    def _on_message(self, message: Message) -> None:
+        kind = message.type
+        if kind is MessageType.PYTHON_CALL:
+            self.pool.submit(self._serve, message)
+        elif kind in (MessageType.PYTHON_RET, MessageType.EXCEPTION):
+            self._complete(message)
+        else:
+            log.warning("%s: unexpected %s from %s", self.info, kind.name, message.sender)
+
+    def _serve(self, message: Message) -> None:
+        """Run a call on a pool thread and send its result or exception back."""
+        try:
+            payload = message.payload
+            function = resolve_function(payload["f"])
+            result = function(*payload["a"], **payload["k"])
+            reply = Message(MessageType.PYTHON_RET, message.id, str(self.rank), {"v": result})
+        except Exception as exc:
+            reply = Message(MessageType.EXCEPTION, message.id, str(self.rank), {"exc": encode_exception(exc)})
+        self._reply(message.sender, reply)
+
+    def _reply(self, to: str, reply: Message) -> None:
+        try:
+            if to == str(self.rank):
+                frames = [bytearray(memoryview(f)) for f in self.codec.encode(reply)]
+                self._complete(self.codec.decode(frames))
+            else:
+                self.endpoint.send(to, reply)
+        except (LocalProtocolError, SerializationError) as exc:
+            # The result itself cannot travel: the caller gets that as its error.
+            error = SerializationError(f"the result of the call could not be sent back: {exc}")
+            self._reply(to, Message(MessageType.EXCEPTION, reply.id, str(self.rank), {"exc": encode_exception(error)}))
+        except TransportError as exc:
+            log.warning("%s: could not answer call %d from %s: %s", self.info, reply.id, to, exc)
+
+    def _complete(self, message: Message) -> None:
+        with self._lock:
+            pending = self._pending.pop(message.id, None)
+        if pending is None:
+            log.debug("%s: late or unknown response %d (timed out?)", self.info, message.id)
+            return
+        if message.type is MessageType.EXCEPTION:
+            pending.future.set_exception(decode_exception(message.payload["exc"], repr(pending.to)))
+        else:
+            pending.future.set_result(message.payload["v"])
+
+    def _on_send_error(self, peer: str, message_id: int, error: Exception) -> None:
+        with self._lock:
+            pending = self._pending.pop(message_id, None)
+        if pending is not None:
+            pending.future.set_exception(error)
+
+    def _on_peer_lost(self, peer: str, error: PeerLostError) -> None:
+        with self._lock:
+            lost = [(i, p) for i, p in self._pending.items() if str(p.to.id) == peer]
+            for message_id, _ in lost:
+                del self._pending[message_id]
+        for _, pending in lost:
+            pending.future.set_exception(PeerLostError(peer, f"call to {pending.to} failed: {error}"))
+
+    # -------------------------------------------------------------------------- timeouts
+
+    def _expire_loop(self) -> None:
+        with self._lock:
+            while not self._stopping:
+                now = time.monotonic()
+                expired = []
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    _, message_id = heapq.heappop(self._deadlines)
+                    pending = self._pending.pop(message_id, None)
+                    if pending is not None:
+                        expired.append(pending)
+                if expired:
+                    self._lock.release()
+                    try:
+                        for pending in expired:
+                            pending.future.set_exception(RpcTimeoutError(
+                                f"RPC ran for more than set timeout ({pending.timeout * 1000:.0f} ms) "
+                                f"and will now be marked with an error (call to {pending.to})"
+                            ))
+                    finally:
+                        self._lock.acquire()
+                    continue
+                wait = self._deadlines[0][0] - now if self._deadlines else None
+                self._deadline_changed.wait(wait)
+
+    # -------------------------------------------------------------------------- shutdown
+
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def wait_outstanding(self, timeout: float) -> bool:
+        """Wait until every call this worker made has completed; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            futures = [p.future for p in self._pending.values()]
+        for future in futures:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            done = threading.Event()
+            future.add_done_callback(lambda _f: done.set())
+            if not done.wait(remaining):
+                return False
+        return True
+
+    def _close_now(self, reason: str) -> None:
+        with self._lock:
+            self._stopping = True
+            pending, self._pending = self._pending, {}
+            self._deadline_changed.notify()
+        for p in pending.values():
+            if not p.future.done():
+                p.future.set_exception(RpcError(f"call to {p.to} abandoned: {reason}"))
+        self.endpoint.close()
+        self.pool.shutdown()
+        self._timer.join(5)
+
+
+def _with_context(exc: Exception, context: str) -> Exception:
+    """The same error type with where it happened in front (types are kept for catching)."""
+    try:
+        if isinstance(exc, PeerLostError) or hasattr(exc, "peer"):
+            return type(exc)(exc.peer, f"{context}: {exc}")
+        return type(exc)(f"{context}: {exc}")
+    except TypeError:
+        return RpcError(f"{context}: {exc}")

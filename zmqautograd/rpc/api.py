@@ -1,0 +1,113 @@
+"""The public RPC API, with the names and semantics of ``torch.distributed.rpc``."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from .agent import Agent, WorkerInfo
+from .errors import RendezvousError, RpcError, RpcNotInitializedError
+from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
+from .rendezvous import Rendezvous
+
+_agent: Agent | None = None
+_rendezvous: Rendezvous | None = None
+_state_lock = threading.Lock()
+
+
+def _current() -> Agent:
+    agent = _agent
+    if agent is None:
+        raise RpcNotInitializedError("RPC has not been initialized. Call zmqautograd.rpc.init_rpc first.")
+    return agent
+
+
+def init_rpc(
+    name: str,
+    backend: Any = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: ZmqRpcBackendOptions | None = None,
+) -> None:
+    """Join the group as ``name``: rendezvous, connect to every worker, start serving."""
+    global _agent, _rendezvous
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if backend is not None and str(backend).upper() not in ("ZMQ", "TENSORPIPE", "BACKENDTYPE.TENSORPIPE"):
+        raise ValueError(f"unsupported backend {backend!r}: zmqautograd has one backend, ZeroMQ")
+    options = rpc_backend_options or ZmqRpcBackendOptions()
+    with _state_lock:
+        if _agent is not None:
+            raise RpcError("RPC is already initialized")
+        timeout = options.rpc_timeout if options.rpc_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
+        rendezvous = Rendezvous(options.init_method, rank, world_size, timeout)
+        _agent = Agent(name, rendezvous, options)
+        _rendezvous = rendezvous
+
+
+def shutdown(graceful: bool = True, timeout: float = 0) -> None:
+    """Stop RPC on this worker.
+
+    graceful: wait until every call this worker made has completed, then until every worker
+    has reached shutdown (so nobody tears down while others still call it); then close.
+    ``timeout`` (seconds, 0 for the agent's default RPC timeout) bounds those waits: past it,
+    a RuntimeError says what was still outstanding, and the worker is closed anyway.
+    graceful=False: fail this worker's pending calls and close at once.
+    """
+    global _agent, _rendezvous
+    with _state_lock:
+        agent, rendezvous = _current(), _rendezvous
+    # The agent stays current until it closes: while we wait for the others, this worker
+    # still serves their calls, and those may make RPCs of their own.
+    limit = timeout if timeout > 0 else (agent.default_timeout if agent.default_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC)
+    error: Exception | None = None
+    if graceful:
+        try:
+            if not agent.wait_outstanding(limit):
+                raise RpcError(f"shutdown: {agent.outstanding()} call(s) of {agent.info} still outstanding after {limit} s")
+            rendezvous.barrier("shutdown", limit)
+        except (RpcError, RendezvousError) as exc:
+            error = exc
+    with _state_lock:
+        _agent = _rendezvous = None
+    agent._close_now("shutdown" if graceful else "shutdown(graceful=False)")
+    if graceful and error is None:
+        # The store lives in rank 0's process: it leaves last, once everyone is past the barrier.
+        try:
+            rendezvous.store.set(f"{rendezvous.key}/left/{rendezvous.rank}", "1")
+            if rendezvous.rank == 0:
+                rendezvous.barrier("left", limit)
+        except Exception as exc:  # the others are gone already; nothing is lost
+            error = None if isinstance(exc, RendezvousError) and rendezvous.rank != 0 else exc
+    if error is not None:
+        raise error
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    agent = _current()
+    return agent.info if worker_name is None else agent.worker_info(worker_name)
+
+
+def rpc_async(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
+    """Call ``func(*args, **kwargs)`` on worker ``to``; returns a ``torch.futures.Future``."""
+    return _current().call(to, func, args, kwargs, timeout)
+
+
+def rpc_sync(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+    """Call ``func(*args, **kwargs)`` on worker ``to`` and wait for the result."""
+    agent = _current()
+    return agent.wait(agent.call(to, func, args, kwargs, timeout))
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    _current().default_timeout = float(rpc_timeout)
+
+
+def _get_rpc_timeout() -> float:
+    return _current().default_timeout
+
+
+def _is_initialized() -> bool:
+    return _agent is not None

@@ -1,0 +1,59 @@
+"""Backend options, mirroring ``torch.distributed.rpc.TensorPipeRpcBackendOptions``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DEFAULT_RPC_TIMEOUT_SEC = 60.0
+DEFAULT_INIT_METHOD = "env://"
+UNSET_RPC_TIMEOUT = -1.0  # "use the agent's default", as in torch
+
+
+@dataclass
+class ZmqRpcBackendOptions:
+    """Options of the ZeroMQ RPC backend.
+
+    Args:
+        init_method: rendezvous URL: ``env://`` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
+            ``tcp://host:port`` or ``file:///path``.
+        num_worker_threads: threads that run incoming calls (more are added while calls
+            block in nested RPCs, so nested calls never deadlock).
+        rpc_timeout: default timeout of a call, in seconds (0: none).
+        device_maps / devices: where tensors from each peer's devices go here (CUDA).
+        advertise_address: the IP this worker tells its peers (default: the interface that
+            routes to MASTER_ADDR; env ZMQAUTOGRAD_ADVERTISE_ADDRESS overrides).
+        allow_pickle: accept and send pickled payloads (objects msgpack cannot carry).
+        heartbeat_interval / peer_timeout: peer-loss detection bounds, in seconds.
+    """
+
+    init_method: str = DEFAULT_INIT_METHOD
+    num_worker_threads: int = 16
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC
+    device_maps: dict[str, dict[Any, Any]] | None = None
+    devices: list[Any] | None = None
+    advertise_address: str | None = None
+    allow_pickle: bool = True
+    heartbeat_interval: float = 1.0
+    peer_timeout: float = 10.0
+    _transports: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        self.device_maps = {k: dict(v) for k, v in (self.device_maps or {}).items()}
+        self.devices = [torch.device(d) for d in (self.devices or [])]
+
+    def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
+        """Map this worker's devices to worker ``to``'s devices for tensors sent to it."""
+        current = self.device_maps.setdefault(to, {})
+        for source, target in device_map.items():
+            source, target = torch.device(source), torch.device(target)
+            if source in current and current[source] != target:
+                raise ValueError(f"device {source} is already mapped to {current[source]} for {to}")
+            current[source] = target
+
+    def set_devices(self, devices: list[Any]) -> None:
+        self.devices = [torch.device(d) for d in devices]

@@ -1,0 +1,153 @@
+"""Rendezvous through torch's own stores: every worker publishes (name, rank, address), waits
+for all, and checks that the group is consistent.
+
+The init URL names a torch TCPStore (``env://``, ``tcp://``; rank 0 hosts it) or a FileStore
+(``file://``). Keys are prefixed with a round number that each
+worker counts for itself, so ``init_rpc`` after ``shutdown`` in the same processes (or a
+FileStore that outlived a previous run) never sees stale entries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+from .errors import RendezvousError
+
+PREFIX = "zmqautograd"
+
+# Stores outlive init_rpc/shutdown rounds. Re-creating rank 0's TCPStore server per round races
+# with peers that already reconnect for the next round to the server being torn down; the keys
+# of each round are namespaced, so one store serves them all.
+_stores: dict[tuple, dist.Store] = {}
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    rank: int
+    address: str
+
+
+class Rendezvous:
+    def __init__(self, init_method: str, rank: int, world_size: int | None, timeout: float):
+        self.timeout = timeout
+        url = init_method
+        if init_method.startswith("env://"):
+            rank = int(os.environ["RANK"]) if rank < 0 and "RANK" in os.environ else rank
+            if world_size is None and "WORLD_SIZE" in os.environ:
+                world_size = int(os.environ["WORLD_SIZE"])
+        if rank < 0 or world_size is None:
+            raise ValueError(f"init_rpc needs rank and world_size (got rank={rank}, world_size={world_size})")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.rank, self.world_size = rank, world_size
+        store_key = (url, rank, world_size, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+        if store_key not in _stores:
+            _stores[store_key] = _open_store(url, rank, world_size, timeout)
+        self.store = _stores[store_key]
+        self.round = self.store.add(f"{PREFIX}/round/{rank}", 1)
+        self.key = f"{PREFIX}/{self.round}"
+        self.master_addr = _master_address(init_method)
+
+    def exchange(self, name: str, address: str) -> list[Member]:
+        """Publish ours, wait for everyone's, check names and world size."""
+        me = {"name": name, "rank": self.rank, "address": address, "world_size": self.world_size}
+        self.store.set(f"{self.key}/member/{self.rank}", json.dumps(me))
+        keys = [f"{self.key}/member/{r}" for r in range(self.world_size)]
+        self._wait(keys, "join")
+        members = [json.loads(self.store.get(k)) for k in keys]
+        sizes = {m["world_size"] for m in members}
+        if len(sizes) > 1:
+            raise RendezvousError(f"workers disagree on world_size: {sorted(sizes)}")
+        names: dict[str, int] = {}
+        for m in members:
+            if m["name"] in names:
+                raise RendezvousError(
+                    f"duplicate worker name {m['name']!r} (ranks {names[m['name']]} and {m['rank']})"
+                )
+            names[m["name"]] = m["rank"]
+        return [Member(m["name"], m["rank"], m["address"]) for m in members]
+
+    def barrier(self, tag: str, timeout: float | None = None) -> None:
+        self.store.set(f"{self.key}/{tag}/{self.rank}", "1")
+        self._wait([f"{self.key}/{tag}/{r}" for r in range(self.world_size)], tag, timeout)
+
+    def _wait(self, keys: list[str], what: str, timeout: float | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+            return
+        except Exception:  # torch raises several types for a timeout or a lost store
+            pass
+        try:
+            missing = [k.rsplit("/", 1)[1] for k in keys if not self.store.check([k])]
+        except Exception:
+            raise RendezvousError(
+                f"rank {self.rank}: the group did not {what} within {timeout:.0f} s (world_size={self.world_size}), "
+                "and the rendezvous store (hosted by rank 0) is gone"
+            ) from None
+        if not missing and time.monotonic() < deadline:
+            return
+        raise RendezvousError(
+            f"rank {self.rank}: the group did not {what} within {timeout:.0f} s (world_size={self.world_size}): "
+            f"rank(s) {', '.join(missing)} did not {what}"
+        ) from None
+
+
+def _open_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:
+    """torch's TCPStore (env://, tcp://; hosted by rank 0) or FileStore (file://). The TCPStore
+    does not wait for all workers itself: the exchange does, and names who is missing."""
+    url = urlparse(init_method)
+    try:
+        if url.scheme in ("env", "tcp"):
+            if url.scheme == "env":
+                host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+                if not host or not port:
+                    raise ValueError("env:// needs MASTER_ADDR and MASTER_PORT")
+            else:
+                host, port = url.hostname, url.port
+                if not host or not port:
+                    raise ValueError(f"tcp:// init_method needs a host and a port, got {init_method!r}")
+            return dist.TCPStore(
+                host, int(port), world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout),
+                wait_for_workers=False, multi_tenant=True,
+            )
+        if url.scheme == "file":
+            return dist.FileStore(url.path, world_size)
+    except (RuntimeError, ValueError) as exc:
+        raise RendezvousError(f"rank {rank}: cannot reach the rendezvous store at {init_method}: {exc}") from None
+    raise ValueError(f"unsupported init_method {init_method!r}: use env://, tcp://host:port or file:///path")
+
+
+def _master_address(init_method: str) -> str | None:
+    if init_method.startswith("env://"):
+        return os.environ.get("MASTER_ADDR")
+    if init_method.startswith("tcp://"):
+        return urlparse(init_method).hostname
+    return None
+
+
+def advertise_address(master_addr: str | None, override: str | None = None) -> str:
+    """The IP this worker's peers can reach it at: an explicit override, else the address of
+    the interface that routes to the master (never loopback unless the master is loopback)."""
+    chosen = override or os.environ.get("ZMQAUTOGRAD_ADVERTISE_ADDRESS")
+    if chosen:
+        return chosen
+    if not master_addr:
+        return "127.0.0.1"
+    try:
+        target = socket.getaddrinfo(master_addr, 1, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(target[0], socket.SOCK_DGRAM) as probe:
+            probe.connect(target[4])  # UDP connect sends nothing; it only picks the route
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"

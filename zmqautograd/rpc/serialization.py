@@ -1,0 +1,193 @@
+"""How calls, results and exceptions travel.
+
+Functions go as references (module + qualified name) whenever the callee can import them;
+arguments and results keep their structure through the transport codec (tuples stay tuples,
+tensors go as tensor frames). Objects msgpack cannot carry are pickled, with their tensors
+taken out of band (they still travel as tensor frames, never inside the pickle); the pickle
+fallback obeys ``allow_pickle``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+import traceback
+from typing import Any, Callable
+
+import torch
+
+from transport.codec import Codec, Extension
+
+from .errors import RemoteException, SerializationError
+
+EXT_PICKLE = 16
+EXT_FUNCTION = 17
+
+
+# ------------------------------------------------------------------------- function refs
+
+
+def _resolve(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def function_reference(function: Callable) -> tuple[str, str] | None:
+    """(module, qualified name) that resolves back to ``function`` on an importing process,
+    or None when there is none (lambdas, closures, bound methods of objects)."""
+    candidates = []
+    module = getattr(function, "__module__", None)
+    for name in (getattr(function, "__qualname__", None), getattr(function, "__name__", None)):
+        if module and name:
+            candidates.append((module, name))
+    owner = getattr(function, "__objclass__", None)  # method descriptors such as torch.Tensor.add
+    if owner is not None and getattr(function, "__name__", None):
+        candidates.append((owner.__module__, f"{owner.__qualname__}.{function.__name__}"))
+    for module, name in candidates:
+        if "<" in name:  # <lambda>, <locals>
+            continue
+        try:
+            if _resolve(module, name) is function:
+                return module, name
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+# --------------------------------------------------------------------------- pickle path
+
+
+class _OutOfBandPickler(pickle.Pickler):
+    def __init__(self, stream: io.BytesIO, tensors: list):
+        super().__init__(stream, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+
+class _OutOfBandUnpickler(pickle.Unpickler):
+    def __init__(self, stream: io.BytesIO, tensors: list):
+        super().__init__(stream)
+        self.tensors = tensors
+
+    def persistent_load(self, pid: Any) -> Any:
+        if type(pid) is not int or not 0 <= pid < len(self.tensors):
+            raise pickle.UnpicklingError(f"invalid tensor reference {pid!r}")
+        return self.tensors[pid]
+
+
+def pickle_out_of_band(obj: Any) -> list:
+    tensors: list = []
+    stream = io.BytesIO()
+    try:
+        _OutOfBandPickler(stream, tensors).dump(obj)
+    except Exception as exc:
+        raise SerializationError(f"cannot serialize {type(obj).__qualname__}: {exc}") from exc
+    return [stream.getvalue(), tensors]
+
+
+def unpickle_out_of_band(value: Any) -> Any:
+    data, tensors = value
+    return _OutOfBandUnpickler(io.BytesIO(data), tensors).load()
+
+
+class RpcCodec(Codec):
+    """The transport codec plus the RPC layer's types: function references and the pickle
+    fallback (refused both ways when ``allow_pickle`` is False)."""
+
+    def __init__(self, allow_pickle: bool = True, **kwargs: Any):
+        self.allow_pickle = allow_pickle
+        pickled = Extension(EXT_PICKLE, _Pickled, lambda p: p.value, self._load_pickle)
+        functions = Extension(EXT_FUNCTION, FunctionRef, lambda f: [f.module, f.qualname], self._load_function)
+        super().__init__(extensions=[pickled, functions], fallback=self._fallback, **kwargs)
+
+    def _fallback(self, obj: Any) -> tuple[Extension, Any]:
+        if not self.allow_pickle:
+            raise SerializationError(
+                f"cannot send an object of type {type(obj).__qualname__} without pickle, and allow_pickle is False"
+            )
+        return self._by_code[EXT_PICKLE], pickle_out_of_band(obj)
+
+    def _load_pickle(self, value: Any) -> Any:
+        if not self.allow_pickle:
+            raise SerializationError("refused a pickled payload: allow_pickle is False on this worker")
+        return unpickle_out_of_band(value)
+
+    @staticmethod
+    def _load_function(value: Any) -> "FunctionRef":
+        # Resolved by the callee when it runs the call, so an import failure becomes the
+        # call's exception (with the callee's traceback), not an undecodable message.
+        module, qualname = value
+        if not isinstance(module, str) or not isinstance(qualname, str):
+            raise SerializationError("malformed function reference")
+        return FunctionRef(module, qualname)
+
+
+class _Pickled:
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class FunctionRef:
+    """A function named by module and qualified name."""
+
+    def __init__(self, module: str, qualname: str):
+        self.module, self.qualname = module, qualname
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+def encode_function(function: Callable) -> Any:
+    """What goes on the wire for ``function``: a reference when it resolves, else the object
+    itself, left to the codec's pickle fallback (lambdas and closures, where pickle is allowed)."""
+    if isinstance(function, FunctionRef):
+        return function  # called by name: the callee imports it, we need not
+    if not callable(function):
+        raise TypeError(f"function should be callable, got {type(function).__qualname__}")
+    reference = function_reference(function)
+    return FunctionRef(*reference) if reference else function
+
+
+def resolve_function(function: Any) -> Callable:
+    """The callable a request names; raises SerializationError if it cannot be imported here."""
+    if isinstance(function, FunctionRef):
+        try:
+            return _resolve(function.module, function.qualname)
+        except (ImportError, AttributeError) as exc:
+            raise SerializationError(f"cannot import function {function.module}.{function.qualname}: {exc}") from exc
+    return function
+
+
+# ----------------------------------------------------------------------------- exceptions
+
+
+def encode_exception(exc: BaseException) -> dict:
+    kind = type(exc)
+    return {
+        "module": kind.__module__,
+        "type": kind.__qualname__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(kind, exc, exc.__traceback__)),
+    }
+
+
+def decode_exception(info: dict, where: str) -> BaseException:
+    """The remote exception rebuilt with its own type where that type can be imported and
+    built from a message; else a RemoteException. The message names the worker and carries
+    the remote traceback."""
+    text = f"On {where}:\n{info['message']}\n\nRemote traceback:\n{info['traceback']}"
+    try:
+        kind = _resolve(info["module"], info["type"])
+        if isinstance(kind, type) and issubclass(kind, Exception):
+            return kind(text)
+    except Exception:  # unimportable, or its constructor wants other arguments
+        pass
+    return RemoteException(f"{info['module']}.{info['type']}: {text}")
