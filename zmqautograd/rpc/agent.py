@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from transport import LocalProtocolError, Message, MessageType, PeerLostError, TransportError
+from transport import Envelope, LocalProtocolError, Message, MessageType, PeerLostError, TransportError
 from transport.endpoint import Endpoint, EndpointOptions
 
 from .errors import RpcError, RpcTimeoutError, SerializationError
@@ -42,9 +42,34 @@ class WorkerInfo:
     __str__ = __repr__
 
 
+class _SyncSlot:
+    """What ``rpc_sync`` waits on instead of a torch Future: the I/O thread can fill it with the
+    undecoded response without running any user code (a Future runs its callbacks)."""
+
+    __slots__ = ("event", "envelope", "value", "error", "to")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.envelope: Envelope | None = None
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.to: WorkerInfo | None = None
+
+    def set_result(self, value: Any) -> None:
+        self.value = value
+        self.event.set()
+
+    def set_exception(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+
 @dataclass
 class _Pending:
-    future: torch.futures.Future
+    future: torch.futures.Future | _SyncSlot
     to: WorkerInfo
     timeout: float
 
@@ -57,6 +82,7 @@ class Agent:
         self.default_timeout = options.rpc_timeout
         self.codec = RpcCodec(allow_pickle=options.allow_pickle)
         host = advertise_address(rendezvous.master_addr, options.advertise_address)
+        self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}")
         self.endpoint = Endpoint(
             str(self.rank),
             f"tcp://{host}:0",
@@ -69,13 +95,17 @@ class Agent:
                 peer_timeout=options.peer_timeout,
                 connect_timeout=rendezvous.timeout,
             ),
+            # Requests go from the I/O thread straight to the pool that runs them, and a
+            # response to rpc_sync straight to the thread that waits for it.
+            executor=self.pool.submit,
+            on_envelope=self._route_to_waiter,
         )
-        self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}")
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._deadlines: list[tuple[float, int]] = []
         self._deadline_changed = threading.Condition(self._lock)
+        self._all_done = threading.Condition(self._lock)
         self._stopping = False
         self._timer = threading.Thread(target=self._expire_loop, name=f"rpc-timeouts-{name}", daemon=True)
         self._timer.start()
@@ -118,8 +148,9 @@ class Agent:
 
     # --------------------------------------------------------------------------- calling
 
-    def call(self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float) -> torch.futures.Future:
-        """Send a call; the returned future completes with its result or exception."""
+    def call(self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False) -> Any:
+        """Send a call; the returned future (a _SyncSlot when ``sync``) completes with its
+        result or exception."""
         info = self.worker_info(to)
         if args is not None and not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple or list, got {type(args).__qualname__}")
@@ -127,7 +158,7 @@ class Agent:
             raise TypeError(f"kwargs must be a dict, got {type(kwargs).__qualname__}")
         payload = {"f": encode_function(function), "a": tuple(args or ()), "k": dict(kwargs or {})}
         timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
-        future: torch.futures.Future = torch.futures.Future()
+        future = _SyncSlot() if sync else torch.futures.Future()
         message_id = next(self._ids)
         message = Message(MessageType.PYTHON_CALL, message_id, str(self.rank), payload)
         with self._lock:
@@ -144,14 +175,45 @@ class Agent:
                 self.endpoint.send(str(info.id), message)
         except (TransportError, SerializationError) as exc:
             with self._lock:
-                self._pending.pop(message_id, None)
+                self._take(message_id)
             raise _with_context(exc, f"cannot send a call to {info}") from None
         return future
 
-    def wait(self, future: torch.futures.Future) -> Any:
-        """``future.wait()``, telling the pool when a pool thread blocks (nested RPCs)."""
+    def call_sync(self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float) -> Any:
+        """Call and wait; a pool thread that waits lets the pool start another (nested RPCs)."""
+        slot = self.call(to, function, args, kwargs, timeout, sync=True)
         with self.pool.blocking():
-            return future.wait()
+            slot.event.wait()
+        if slot.envelope is not None:  # handed over undecoded by the I/O thread
+            slot.value, slot.error = self._decode_response(slot.envelope, slot.to)
+        if slot.error is not None:
+            raise slot.error
+        return slot.value
+
+    def _route_to_waiter(self, peer: str, envelope: Envelope) -> bool:
+        """On the I/O thread: a response to an rpc_sync goes to its waiting thread at once."""
+        if envelope.type is not MessageType.PYTHON_RET and envelope.type is not MessageType.EXCEPTION:
+            return False
+        pending = self._pending.get(envelope.id)  # dict lookups are atomic
+        if pending is None or not isinstance(pending.future, _SyncSlot):
+            return False
+        with self._lock:
+            if self._take(envelope.id) is None:
+                return True  # timed out meanwhile: already failed
+        slot = pending.future
+        slot.envelope = envelope
+        slot.to = pending.to
+        slot.event.set()
+        return True
+
+    def _decode_response(self, envelope: Envelope, to: WorkerInfo) -> tuple[Any, BaseException | None]:
+        try:
+            payload = self.codec.decode_payload(envelope)
+        except Exception as exc:
+            return None, SerializationError(f"cannot decode the response from {to}: {exc}")
+        if envelope.type is MessageType.EXCEPTION:
+            return None, decode_exception(payload["exc"], repr(to))
+        return payload["v"], None
 
     def _call_self(self, message: Message) -> None:
         # A call to ourselves goes through the codec like any other, so that the callee sees
@@ -162,9 +224,10 @@ class Agent:
     # ------------------------------------------------------------------------- receiving
 
     def _on_message(self, message: Message) -> None:
+        """On a pool thread (the endpoint's executor)."""
         kind = message.type
         if kind is MessageType.PYTHON_CALL:
-            self.pool.submit(self._serve, message)
+            self._serve(message)
         elif kind in (MessageType.PYTHON_RET, MessageType.EXCEPTION):
             self._complete(message)
         else:
@@ -197,7 +260,7 @@ class Agent:
 
     def _complete(self, message: Message) -> None:
         with self._lock:
-            pending = self._pending.pop(message.id, None)
+            pending = self._take(message.id)
         if pending is None:
             log.debug("%s: late or unknown response %d (timed out?)", self.info, message.id)
             return
@@ -208,7 +271,7 @@ class Agent:
 
     def _on_send_error(self, peer: str, message_id: int, error: Exception) -> None:
         with self._lock:
-            pending = self._pending.pop(message_id, None)
+            pending = self._take(message_id)
         if pending is not None:
             pending.future.set_exception(error)
 
@@ -216,7 +279,7 @@ class Agent:
         with self._lock:
             lost = [(i, p) for i, p in self._pending.items() if str(p.to.id) == peer]
             for message_id, _ in lost:
-                del self._pending[message_id]
+                self._take(message_id)
         for _, pending in lost:
             pending.future.set_exception(PeerLostError(peer, f"call to {pending.to} failed: {error}"))
 
@@ -229,7 +292,7 @@ class Agent:
                 expired = []
                 while self._deadlines and self._deadlines[0][0] <= now:
                     _, message_id = heapq.heappop(self._deadlines)
-                    pending = self._pending.pop(message_id, None)
+                    pending = self._take(message_id)
                     if pending is not None:
                         expired.append(pending)
                 if expired:
@@ -252,26 +315,24 @@ class Agent:
         with self._lock:
             return len(self._pending)
 
+    def _take(self, message_id: int) -> _Pending | None:
+        """Remove a pending call (caller holds the lock); wakes shutdown when none are left."""
+        pending = self._pending.pop(message_id, None)
+        if pending is not None and not self._pending:
+            self._all_done.notify_all()
+        return pending
+
     def wait_outstanding(self, timeout: float) -> bool:
         """Wait until every call this worker made has completed; False on timeout."""
-        deadline = time.monotonic() + timeout
         with self._lock:
-            futures = [p.future for p in self._pending.values()]
-        for future in futures:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            done = threading.Event()
-            future.add_done_callback(lambda _f: done.set())
-            if not done.wait(remaining):
-                return False
-        return True
+            return self._all_done.wait_for(lambda: not self._pending, timeout)
 
     def _close_now(self, reason: str) -> None:
         with self._lock:
             self._stopping = True
             pending, self._pending = self._pending, {}
             self._deadline_changed.notify()
+            self._all_done.notify_all()
         for p in pending.values():
             if not p.future.done():
                 p.future.set_exception(RpcError(f"call to {p.to} abandoned: {reason}"))

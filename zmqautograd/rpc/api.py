@@ -97,8 +97,7 @@ def rpc_async(to: Any, func: Callable, args: Any = None, kwargs: Any = None, tim
 
 def rpc_sync(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Call ``func(*args, **kwargs)`` on worker ``to`` and wait for the result."""
-    agent = _current()
-    return agent.wait(agent.call(to, func, args, kwargs, timeout))
+    return _current().call_sync(to, func, args, kwargs, timeout)
 
 
 def _set_rpc_timeout(rpc_timeout: float) -> None:
