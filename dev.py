@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """The project's commands, runnable on a fresh machine that has only Python 3.10+.
 
-    python3 dev.py demo     # a real two-worker run over the transport on loopback
-    python3 dev.py test     # the whole test suite
-    python3 dev.py bench    # benchmarks, side by side with raw pyzmq
+    python3 dev.py demo             # data-parallel training, a driver and 3 workers over RPC
+    python3 dev.py test             # the whole test suite
+    python3 dev.py bench            # zmqautograd.rpc next to torch.distributed.rpc (TensorPipe)
+    python3 dev.py bench-transport  # the transport next to raw pyzmq
+    python3 dev.py pingpong         # tensors out and back over the transport
 
 Each creates ``.venv`` on first use and installs what it needs: torch (pinned to 2.13.0, the
 CPU build, where the environment does not have torch yet), pyzmq, msgpack, and the test
@@ -50,7 +52,9 @@ def main() -> int:
     commands = {
         "demo": [PYTHON, "tools/demo.py"],
         "test": [PYTHON, "-m", "pytest", "-q", *sys.argv[2:]],
-        "bench": [PYTHON, "tools/bench_transport.py", *sys.argv[2:]],
+        "bench": [PYTHON, "tools/bench.py", *sys.argv[2:]],
+        "bench-transport": [PYTHON, "tools/bench_transport.py", *sys.argv[2:]],
+        "pingpong": [PYTHON, "tools/pingpong.py"],
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(__doc__.strip())

@@ -4,6 +4,7 @@ torch's rpc_test.py. One group of worker processes serves every test of the modu
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -202,8 +203,7 @@ def test_a_peer_that_never_shows_up_is_a_clear_error_within_the_timeout():
 
 
 def test_calling_before_init_rpc_is_a_clear_error():
-    assert not rpc._is_initialized() or True  # the module's group may be up; use a fresh process
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn")  # a fresh process: this one may have the module's group up
     results = ctx.Queue()
     process = ctx.Process(target=_call_uninitialized, args=(results,))
     process.start()
@@ -224,8 +224,6 @@ def test_pickle_can_be_refused():
     results = ctx.Queue()
     process = ctx.Process(target=_no_pickle_group, args=(f"tcp://127.0.0.1:{free_port()}", results))
     process.start()
-    options = rpc.ZmqRpcBackendOptions
-    del options
     message = results.get(timeout=90)
     process.join(30)
     assert "allow_pickle is False" in message and "Point" in message
@@ -252,3 +250,47 @@ def _join_no_pickle(init_method):
     rpc.init_rpc("w1", rank=1, world_size=2, rpc_backend_options=rpc.ZmqRpcBackendOptions(
         init_method=init_method, allow_pickle=False, rpc_timeout=20))
     rpc.shutdown()
+
+
+def _init_method_worker(rank, init_method, env, results):
+    os.environ.update(env)
+    try:
+        kwargs = {} if init_method == "env://" else {"rank": rank, "world_size": 2}
+        rpc.init_rpc(f"w{rank}", rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=20), **kwargs)
+        results.put((rank, rpc.rpc_sync(f"w{1 - rank}", f.whoami)))
+        rpc.shutdown()
+    except BaseException as exc:
+        results.put((rank, repr(exc)))
+
+
+@pytest.mark.parametrize("scheme", ["env", "file"])
+def test_env_and_file_init_methods(scheme, tmp_path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    processes = []
+    for rank in range(2):
+        if scheme == "env":  # as torchrun sets them
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
+            init_method = "env://"
+        else:
+            env, init_method = {}, f"file://{tmp_path}/rendezvous"
+        processes.append(ctx.Process(target=_init_method_worker, args=(rank, init_method, env, results)))
+    for p in processes:
+        p.start()
+    got = dict(results.get(timeout=90) for _ in processes)
+    for p in processes:
+        p.join(30)
+    assert got == {0: "w1", 1: "w0"}
+
+
+def test_advertised_address_follows_the_route_to_the_master():
+    from zmqautograd.rpc.rendezvous import advertise_address
+
+    assert advertise_address("127.0.0.1") == "127.0.0.1"
+    assert advertise_address("127.0.0.1", override="10.1.2.3") == "10.1.2.3"
+    os.environ["ZMQAUTOGRAD_ADVERTISE_ADDRESS"] = "192.0.2.7"
+    try:
+        assert advertise_address("127.0.0.1") == "192.0.2.7"
+    finally:
+        del os.environ["ZMQAUTOGRAD_ADVERTISE_ADDRESS"]

@@ -1,0 +1,102 @@
+"""zmqautograd.rpc next to torch.distributed.rpc (TensorPipe), in one run.
+
+Two processes join both RPC frameworks at once (they are independent), and every workload is
+measured alternately, round by round, on one then the other, so that both see the same
+machine noise. Prints medians and ratios (zmqautograd / TensorPipe: below 1 is better for
+times, above 1 for throughput).
+
+    python tools/bench.py [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore")  # torch's numpy and c10d chatter; nothing here depends on it
+
+import torch  # noqa: E402
+import torch.distributed.rpc as tp_rpc  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import zmqautograd.rpc as zmq_rpc  # noqa: E402
+
+
+def identity(value):
+    return value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def small_latency(rpc, per_round: int) -> float:
+    x = torch.zeros(2)
+    start = time.perf_counter()
+    for _ in range(per_round):
+        rpc.rpc_sync("worker1", torch.add, args=(x, 1))
+    return (time.perf_counter() - start) / per_round
+
+
+def async_throughput(rpc, batches: int) -> float:
+    x = torch.zeros(2)
+    start = time.perf_counter()
+    for _ in range(batches):
+        torch.futures.wait_all([rpc.rpc_async("worker1", torch.add, args=(x, 1)) for _ in range(64)])
+    return batches * 64 / (time.perf_counter() - start)
+
+
+def big_round_trip(rpc, tensor: torch.Tensor) -> float:
+    start = time.perf_counter()
+    result = rpc.rpc_sync("worker1", identity, args=(tensor,))
+    elapsed = time.perf_counter() - start
+    assert result.shape == tensor.shape
+    return elapsed
+
+
+def run(rank: int, tp_port: int, zmq_port: int, rounds: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(tp_port)
+    tp_rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                    rpc_backend_options=tp_rpc.TensorPipeRpcBackendOptions(num_worker_threads=16))
+    zmq_rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                     rpc_backend_options=zmq_rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{zmq_port}"))
+    if rank == 0:
+        frameworks = {"TensorPipe": tp_rpc, "zmqautograd": zmq_rpc}
+        big = torch.randn(4 << 20)  # 16 MiB
+        workloads = [
+            ("rpc_sync latency, small", "us", 1e6, lambda rpc: small_latency(rpc, 200), "time"),
+            ("rpc_async throughput, 64 in flight", "calls/s", 1, lambda rpc: async_throughput(rpc, 10), "rate"),
+            ("16 MiB round trip", "ms", 1e3, lambda rpc: big_round_trip(rpc, big), "time"),
+        ]
+        print(f"{'workload':<38}{'TensorPipe':>14}{'zmqautograd':>14}{'ratio':>8}", flush=True)
+        for title, unit, scale, measure, kind in workloads:
+            for rpc in frameworks.values():
+                measure(rpc)  # warm-up
+            samples = {name: [] for name in frameworks}
+            for _ in range(rounds):
+                for name, rpc in frameworks.items():
+                    samples[name].append(measure(rpc))
+            tp, ours = (statistics.median(samples[n]) for n in frameworks)
+            print(f"{title:<38}{tp * scale:>10.0f} {unit:<4}{ours * scale:>9.0f} {unit:<4}{ours / tp:>6.2f}x", flush=True)
+    zmq_rpc.shutdown()
+    tp_rpc.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    mp.spawn(run, args=(_free_port(), _free_port(), args.rounds), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
