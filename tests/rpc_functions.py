@@ -71,3 +71,29 @@ class Point:
 
 def echo(value):
     return value
+
+
+@rpc.functions.async_execution
+def async_add_after(target, seconds, value):
+    """Returns a future: the reply goes out when the nested call completes."""
+    return rpc.rpc_async(target, sleep_and_return, args=(seconds, value)).then(lambda fut: fut.wait() + 1)
+
+
+@rpc.functions.async_execution
+def async_raises(target):
+    return rpc.rpc_async(target, raise_value_error, args=("inside the future",))
+
+
+class AsyncHolder:
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_async(value):
+        future = torch.futures.Future()
+        future.set_result(value * 3)
+        return future
+
+
+def pool_thread_count():
+    from zmqautograd.rpc import api
+
+    return api._agent.pool.thread_count

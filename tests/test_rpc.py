@@ -294,3 +294,14 @@ def test_advertised_address_follows_the_route_to_the_master():
         assert advertise_address("127.0.0.1") == "192.0.2.7"
     finally:
         del os.environ["ZMQAUTOGRAD_ADVERTISE_ADDRESS"]
+
+
+def test_async_execution_holds_no_thread_while_waiting(group):
+    before = rpc.rpc_sync("worker1", f.pool_thread_count)
+    futures = [rpc.rpc_async("worker1", f.async_add_after, args=("worker2", 0.5, i)) for i in range(16)]
+    assert [fut.wait() for fut in futures] == [i + 1 for i in range(16)]
+    # 16 calls waited at once on worker1 with 4 pool threads, and none of them held one.
+    assert rpc.rpc_sync("worker1", f.pool_thread_count) <= max(before, 4)
+    with pytest.raises(ValueError, match="inside the future"):
+        rpc.rpc_sync("worker1", f.async_raises, args=("worker3",))
+    assert rpc.rpc_sync("worker2", f.AsyncHolder.static_async, args=(5,)) == 15

@@ -4,6 +4,7 @@ Port code by changing ``import torch.distributed.rpc as rpc`` to
 ``import zmqautograd.rpc as rpc``.
 """
 
+from . import functions
 from .agent import WorkerInfo
 from .api import (
     _get_rpc_timeout,
@@ -19,7 +20,7 @@ from .errors import RemoteException, RendezvousError, RpcError, RpcNotInitialize
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 
 __all__ = [
-    "WorkerInfo", "get_worker_info", "init_rpc", "rpc_async", "rpc_sync", "shutdown",
+    "functions", "WorkerInfo", "get_worker_info", "init_rpc", "rpc_async", "rpc_sync", "shutdown",
     "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized",
     "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
     "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",

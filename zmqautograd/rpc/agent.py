@@ -239,10 +239,25 @@ class Agent:
             payload = message.payload
             function = resolve_function(payload["f"])
             result = function(*payload["a"], **payload["k"])
+            if getattr(function, "_wrapped_async_rpc_function", None) is not None:
+                if not isinstance(result, torch._C.Future):  # .then() returns the C++ base class
+                    raise TypeError(
+                        f"{getattr(function, '__qualname__', function)} is marked async_execution but returned "
+                        f"{type(result).__qualname__}, not a torch.futures.Future"
+                    )
+                # Answer when the future completes; no thread waits for it meanwhile.
+                result.add_done_callback(lambda done: self._reply(message.sender, self._result_message(message.id, done)))
+                return
             reply = Message(MessageType.PYTHON_RET, message.id, str(self.rank), {"v": result})
         except Exception as exc:
             reply = Message(MessageType.EXCEPTION, message.id, str(self.rank), {"exc": encode_exception(exc)})
         self._reply(message.sender, reply)
+
+    def _result_message(self, message_id: int, done: torch.futures.Future) -> Message:
+        try:
+            return Message(MessageType.PYTHON_RET, message_id, str(self.rank), {"v": done.value()})
+        except Exception as exc:
+            return Message(MessageType.EXCEPTION, message_id, str(self.rank), {"exc": encode_exception(exc)})
 
     def _reply(self, to: str, reply: Message) -> None:
         try:

@@ -1,0 +1,68 @@
+"""Workers on separate 'hosts': network namespaces joined by a bridge (root needed; skipped
+where namespaces cannot be made). Each host advertises the address of the interface that
+routes to the master, never loopback, and calls cross the bridge."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOSTS = 3
+SUBNET = "198.18.0"  # RFC 2544 benchmarking range: only ever our own namespaces
+
+
+def sh(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def hosts():
+    tag = f"zq{os.getpid() % 100000}"
+    switch, names = f"{tag}sw", [f"{tag}h{i}" for i in range(HOSTS)]
+    try:
+        sh("ip", "netns", "add", switch)
+    except (subprocess.CalledProcessError, FileNotFoundError, PermissionError) as exc:
+        pytest.skip(f"network namespaces are not available here: {exc}")
+    try:
+        sh("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", switch, "link", "set", "br0", "up")
+        for i, name in enumerate(names):
+            sh("ip", "netns", "add", name)
+            sh("ip", "-n", name, "link", "set", "lo", "up")
+            # One end in the host (eth0), the other in the switch, on the bridge.
+            sh("ip", "-n", switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", name)
+            sh("ip", "-n", switch, "link", "set", f"p{i}", "master", "br0", "up")
+            sh("ip", "-n", name, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "eth0")
+            sh("ip", "-n", name, "link", "set", "eth0", "up")
+        yield names
+    finally:
+        for name in [*names, switch]:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_workers_on_separate_hosts_advertise_routable_addresses(hosts):
+    master = f"{SUBNET}.1:29500"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    processes = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", name, sys.executable, "-m", "tests.netns_worker", str(rank), str(HOSTS), master],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for rank, name in enumerate(hosts)
+    ]
+    outputs = []
+    for process in processes:
+        out, err = process.communicate(timeout=100)
+        assert process.returncode == 0, err[-3000:]
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    for seen in outputs:
+        for rank in range(HOSTS):
+            name, address = seen[f"host{rank}"]
+            assert name == f"host{rank}"
+            assert address.startswith(f"tcp://{SUBNET}.{rank + 1}:"), address  # not loopback
