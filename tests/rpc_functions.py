@@ -97,3 +97,45 @@ def pool_thread_count():
     from zmqautograd.rpc import api
 
     return api._agent.pool.thread_count
+
+
+class Counter:
+    def __init__(self, start=0):
+        self.value = start
+
+    def increment(self, by=1):
+        self.value += by
+        return self.value
+
+
+def rref_to_here(rref):
+    return rref.to_here()
+
+
+def rref_owner_name_and_value(rref):
+    return rref.owner_name(), rref.to_here(), rref.is_owner()
+
+
+def make_rref_here(value):
+    return rpc.RRef(value)
+
+
+def forward_rref(rref, target):
+    """A user passes its RRef on to a third worker."""
+    return rpc.rpc_sync(target, rref_owner_name_and_value, args=(rref,))
+
+
+def owned_rrefs():
+    from zmqautograd.rpc.rref import _owned_count
+
+    return _owned_count()
+
+
+def settle():
+    """Wait until every call this worker made (RRef deletions included) has been answered."""
+    import gc
+
+    from zmqautograd.rpc import api
+
+    gc.collect()
+    return api._current().wait_outstanding(30)

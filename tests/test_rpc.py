@@ -305,3 +305,68 @@ def test_async_execution_holds_no_thread_while_waiting(group):
     with pytest.raises(ValueError, match="inside the future"):
         rpc.rpc_sync("worker1", f.async_raises, args=("worker3",))
     assert rpc.rpc_sync("worker2", f.AsyncHolder.static_async, args=(5,)) == 15
+
+
+# ----------------------------------------------------------------------------------- RRef
+
+
+def test_remote_and_rref_basics(group):
+    rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+    assert torch.equal(rref.to_here(), torch.full((2,), 4.0))
+    assert rref.owner() == rpc.get_worker_info("worker1") and rref.owner_name() == "worker1"
+    assert not rref.is_owner() and rref.confirmed_by_owner()
+    with pytest.raises(RuntimeError, match="Call it on owner"):
+        rref.local_value()
+    local = rpc.RRef(torch.ones(3))
+    assert local.is_owner() and local.confirmed_by_owner() and torch.equal(local.local_value(), torch.ones(3))
+    assert torch.equal(local.to_here(), torch.ones(3))
+    own = rpc.remote("worker0", f.my_function, args=(1, 2, 3))  # remote to ourselves: we own it
+    assert own.is_owner() and own.to_here() == 6
+
+
+def test_remote_exception_raises_on_to_here(group):
+    rref = rpc.remote("worker2", f.raise_value_error, args=("stored failure",))
+    with pytest.raises(ValueError, match="stored failure"):
+        rref.to_here()
+
+
+def test_rref_proxies_run_methods_on_the_owner(group):
+    counter = rpc.remote("worker3", f.Counter, args=(10,))
+    assert counter.rpc_sync().increment(5) == 15
+    assert counter.rpc_async().increment().wait() == 16
+    assert counter.remote().increment().to_here() == 17
+    assert counter.to_here().value == 17
+
+
+def test_rrefs_passed_to_owners_users_and_third_workers(group):
+    rref = rpc.remote("worker1", torch.mul, args=(torch.ones(2), 7))
+    # To its owner: arrives as the owner's own RRef.
+    assert rpc.rpc_sync("worker1", f.rref_owner_name_and_value, args=(rref,))[2] is True
+    # To a third worker (a fork through the owner), and from there on to a fourth.
+    name, value, is_owner = rpc.rpc_sync("worker2", f.rref_owner_name_and_value, args=(rref,))
+    assert (name, is_owner) == ("worker1", False) and torch.equal(value, torch.full((2,), 7.0))
+    name, value, is_owner = rpc.rpc_sync("worker2", f.forward_rref, args=(rref, "worker3"))
+    assert (name, is_owner) == ("worker1", False) and torch.equal(value, torch.full((2,), 7.0))
+    # An RRef created on a worker comes back to us as a user RRef.
+    back = rpc.rpc_sync("worker3", f.make_rref_here, args=("made on worker3",))
+    assert not back.is_owner() and back.owner_name() == "worker3" and back.to_here() == "made on worker3"
+
+
+def _settle_everyone(group) -> None:
+    """Every worker's calls (RRef deletions and forks included) answered. We settle here: a
+    call to ourselves would wait on itself."""
+    assert f.settle()
+    for name in group.names[1:]:
+        assert rpc.rpc_sync(name, f.settle)
+
+
+def test_dropped_rrefs_leave_nothing_on_the_owner(group):
+    _settle_everyone(group)
+    baseline = rpc.rpc_sync("worker2", f.owned_rrefs)
+    rrefs = [rpc.remote("worker2", f.my_function, args=(i, 0, 0)) for i in range(1000)]
+    assert [r.to_here() for r in rrefs[::100]] == list(range(0, 1000, 100))
+    _settle_everyone(group)
+    assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline + 1000
+    del rrefs
+    _settle_everyone(group)
+    assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline

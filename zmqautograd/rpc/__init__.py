@@ -12,15 +12,17 @@ from .api import (
     _set_rpc_timeout,
     get_worker_info,
     init_rpc,
+    remote,
     rpc_async,
     rpc_sync,
     shutdown,
 )
 from .errors import RemoteException, RendezvousError, RpcError, RpcNotInitializedError, RpcTimeoutError, SerializationError
+from .rref import RRef
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 
 __all__ = [
-    "functions", "WorkerInfo", "get_worker_info", "init_rpc", "rpc_async", "rpc_sync", "shutdown",
+    "functions", "WorkerInfo", "get_worker_info", "init_rpc", "remote", "RRef", "rpc_async", "rpc_sync", "shutdown",
     "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized",
     "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
     "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",

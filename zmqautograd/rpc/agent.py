@@ -17,16 +17,33 @@ from typing import Any, Callable
 
 import torch
 
-from transport import Envelope, LocalProtocolError, Message, MessageType, PeerLostError, TransportError
+from transport import Envelope, Extension, LocalProtocolError, Message, MessageType, PeerLostError, TransportError
 from transport.endpoint import Endpoint, EndpointOptions
 
 from .errors import RpcError, RpcTimeoutError, SerializationError
 from .options import UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 from .pool import ElasticPool
 from .rendezvous import Member, Rendezvous, advertise_address
+from .rref import RRef, RRefContext
 from .serialization import RpcCodec, decode_exception, encode_exception, encode_function, resolve_function
 
 log = logging.getLogger(__name__)
+
+EXT_RREF = 18
+
+
+# Each request type and the type of its answer (the seeds' names). All requests carry a
+# function reference and arguments and run the same way; the types tell them apart on the wire
+# (fault injection and retries select by type).
+REQUEST_TYPES = {
+    MessageType.PYTHON_CALL: MessageType.PYTHON_RET,
+    MessageType.PYTHON_REMOTE_CALL: MessageType.REMOTE_RET,
+    MessageType.PYTHON_RREF_FETCH_CALL: MessageType.PYTHON_RREF_FETCH_RET,
+    MessageType.RREF_FORK_REQUEST: MessageType.RREF_ACK,
+    MessageType.RREF_CHILD_ACCEPT: MessageType.RREF_ACK,
+    MessageType.RREF_USER_DELETE: MessageType.RREF_ACK,
+}
+RESPONSE_TYPES = frozenset({*REQUEST_TYPES.values(), MessageType.EXCEPTION})
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,8 @@ class Agent:
         self.codec = RpcCodec(allow_pickle=options.allow_pickle)
         host = advertise_address(rendezvous.master_addr, options.advertise_address)
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}")
+        self.rrefs = RRefContext(self)
+        self.codec.add_extension(Extension(EXT_RREF, RRef, self.rrefs.encode, self.rrefs.decode))
         self.endpoint = Endpoint(
             str(self.rank),
             f"tcp://{host}:0",
@@ -107,6 +126,9 @@ class Agent:
         self._deadline_changed = threading.Condition(self._lock)
         self._all_done = threading.Condition(self._lock)
         self._stopping = False
+        # Peers that finish init_rpc first may call us before our init_rpc has published this
+        # agent; their calls wait here until it has (see start_serving).
+        self._serving = threading.Event()
         self._timer = threading.Thread(target=self._expire_loop, name=f"rpc-timeouts-{name}", daemon=True)
         self._timer.start()
         try:
@@ -148,7 +170,10 @@ class Agent:
 
     # --------------------------------------------------------------------------- calling
 
-    def call(self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False) -> Any:
+    def call(
+        self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
+        message_type: MessageType = MessageType.PYTHON_CALL,
+    ) -> Any:
         """Send a call; the returned future (a _SyncSlot when ``sync``) completes with its
         result or exception."""
         info = self.worker_info(to)
@@ -160,7 +185,7 @@ class Agent:
         timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
         future = _SyncSlot() if sync else torch.futures.Future()
         message_id = next(self._ids)
-        message = Message(MessageType.PYTHON_CALL, message_id, str(self.rank), payload)
+        message = Message(message_type, message_id, str(self.rank), payload)
         with self._lock:
             if self._stopping:
                 raise RpcError("RPC is shutting down on this worker")
@@ -179,9 +204,12 @@ class Agent:
             raise _with_context(exc, f"cannot send a call to {info}") from None
         return future
 
-    def call_sync(self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float) -> Any:
+    def call_sync(
+        self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float,
+        message_type: MessageType = MessageType.PYTHON_CALL,
+    ) -> Any:
         """Call and wait; a pool thread that waits lets the pool start another (nested RPCs)."""
-        slot = self.call(to, function, args, kwargs, timeout, sync=True)
+        slot = self.call(to, function, args, kwargs, timeout, sync=True, message_type=message_type)
         with self.pool.blocking():
             slot.event.wait()
         if slot.envelope is not None:  # handed over undecoded by the I/O thread
@@ -192,7 +220,7 @@ class Agent:
 
     def _route_to_waiter(self, peer: str, envelope: Envelope) -> bool:
         """On the I/O thread: a response to an rpc_sync goes to its waiting thread at once."""
-        if envelope.type is not MessageType.PYTHON_RET and envelope.type is not MessageType.EXCEPTION:
+        if envelope.type not in RESPONSE_TYPES:
             return False
         pending = self._pending.get(envelope.id)  # dict lookups are atomic
         if pending is None or not isinstance(pending.future, _SyncSlot):
@@ -226,15 +254,20 @@ class Agent:
     def _on_message(self, message: Message) -> None:
         """On a pool thread (the endpoint's executor)."""
         kind = message.type
-        if kind is MessageType.PYTHON_CALL:
+        if kind in REQUEST_TYPES:
             self._serve(message)
-        elif kind in (MessageType.PYTHON_RET, MessageType.EXCEPTION):
+        elif kind in RESPONSE_TYPES:
             self._complete(message)
         else:
             log.warning("%s: unexpected %s from %s", self.info, kind.name, message.sender)
 
+    def start_serving(self) -> None:
+        self._serving.set()
+
     def _serve(self, message: Message) -> None:
         """Run a call on a pool thread and send its result or exception back."""
+        if not self._serving.is_set():
+            self._serving.wait(self.endpoint.options.connect_timeout)
         try:
             payload = message.payload
             function = resolve_function(payload["f"])
@@ -246,18 +279,18 @@ class Agent:
                         f"{type(result).__qualname__}, not a torch.futures.Future"
                     )
                 # Answer when the future completes; no thread waits for it meanwhile.
-                result.add_done_callback(lambda done: self._reply(message.sender, self._result_message(message.id, done)))
+                result.add_done_callback(lambda done: self._reply(message.sender, self._result_message(message, done)))
                 return
-            reply = Message(MessageType.PYTHON_RET, message.id, str(self.rank), {"v": result})
+            reply = Message(REQUEST_TYPES[message.type], message.id, str(self.rank), {"v": result})
         except Exception as exc:
             reply = Message(MessageType.EXCEPTION, message.id, str(self.rank), {"exc": encode_exception(exc)})
         self._reply(message.sender, reply)
 
-    def _result_message(self, message_id: int, done: torch.futures.Future) -> Message:
+    def _result_message(self, request: Message, done: torch.futures.Future) -> Message:
         try:
-            return Message(MessageType.PYTHON_RET, message_id, str(self.rank), {"v": done.value()})
+            return Message(REQUEST_TYPES[request.type], request.id, str(self.rank), {"v": done.value()})
         except Exception as exc:
-            return Message(MessageType.EXCEPTION, message_id, str(self.rank), {"exc": encode_exception(exc)})
+            return Message(MessageType.EXCEPTION, request.id, str(self.rank), {"exc": encode_exception(exc)})
 
     def _reply(self, to: str, reply: Message) -> None:
         try:
@@ -326,6 +359,10 @@ class Agent:
 
     # -------------------------------------------------------------------------- shutdown
 
+    @property
+    def closed(self) -> bool:
+        return self._stopping
+
     def outstanding(self) -> int:
         with self._lock:
             return len(self._pending)
@@ -337,12 +374,20 @@ class Agent:
             self._all_done.notify_all()
         return pending
 
-    def wait_outstanding(self, timeout: float) -> bool:
-        """Wait until every call this worker made has completed; False on timeout."""
+    def wait_outstanding(self, timeout: float | None) -> bool:
+        """Wait until every call this worker made has completed (None: no limit; calls end by
+        themselves: answered, timed out, or failed when their peer is lost); False on timeout."""
         with self._lock:
             return self._all_done.wait_for(lambda: not self._pending, timeout)
 
+    def lost_peers_reason(self) -> str | None:
+        lost = sorted(int(p) for p, state in self.endpoint.peers().items() if state == "lost")
+        if not lost:
+            return None
+        return "lost " + ", ".join(repr(self.workers_by_id[r]) for r in lost)
+
     def _close_now(self, reason: str) -> None:
+        self._serving.set()  # release calls that were waiting for an init that failed
         with self._lock:
             self._stopping = True
             pending, self._pending = self._pending, {}

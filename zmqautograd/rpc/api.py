@@ -7,10 +7,14 @@ from typing import Any, Callable
 
 import torch
 
+from transport import MessageType
+
 from .agent import Agent, WorkerInfo
 from .errors import RendezvousError, RpcError, RpcNotInitializedError
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 from .rendezvous import Rendezvous
+from .rref import RRef, _run_remote
+from .serialization import encode_function
 
 _agent: Agent | None = None
 _rendezvous: Rendezvous | None = None
@@ -45,15 +49,17 @@ def init_rpc(
         rendezvous = Rendezvous(options.init_method, rank, world_size, timeout)
         _agent = Agent(name, rendezvous, options)
         _rendezvous = rendezvous
+    _agent.start_serving()
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Stop RPC on this worker.
 
     graceful: wait until every call this worker made has completed, then until every worker
-    has reached shutdown (so nobody tears down while others still call it); then close.
-    ``timeout`` (seconds, 0 for the agent's default RPC timeout) bounds those waits: past it,
-    a RuntimeError says what was still outstanding, and the worker is closed anyway.
+    has reached shutdown (so nobody tears down while others still call it); then close. With
+    ``timeout`` 0 (torch's default) those waits have no time limit, but a lost peer ends them
+    with a RuntimeError at once; a positive ``timeout`` (seconds) bounds them. Either way the
+    worker is closed, and the error says what was still outstanding.
     graceful=False: fail this worker's pending calls and close at once.
     """
     global _agent, _rendezvous
@@ -61,13 +67,14 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         agent, rendezvous = _current(), _rendezvous
     # The agent stays current until it closes: while we wait for the others, this worker
     # still serves their calls, and those may make RPCs of their own.
-    limit = timeout if timeout > 0 else (agent.default_timeout if agent.default_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC)
+    limit = timeout if timeout > 0 else None
     error: Exception | None = None
     if graceful:
         try:
+            # Outstanding calls end by themselves: answered, timed out, or failed by peer loss.
             if not agent.wait_outstanding(limit):
                 raise RpcError(f"shutdown: {agent.outstanding()} call(s) of {agent.info} still outstanding after {limit} s")
-            rendezvous.barrier("shutdown", limit)
+            rendezvous.barrier("shutdown", limit, abort=agent.lost_peers_reason)
         except (RpcError, RendezvousError) as exc:
             error = exc
     with _state_lock:
@@ -78,7 +85,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         try:
             rendezvous.store.set(f"{rendezvous.key}/left/{rendezvous.rank}", "1")
             if rendezvous.rank == 0:
-                rendezvous.barrier("left", limit)
+                rendezvous.barrier("left", limit or DEFAULT_RPC_TIMEOUT_SEC)
         except Exception as exc:  # the others are gone already; nothing is lost
             error = None if isinstance(exc, RendezvousError) and rendezvous.rank != 0 else exc
     if error is not None:
@@ -98,6 +105,27 @@ def rpc_async(to: Any, func: Callable, args: Any = None, kwargs: Any = None, tim
 def rpc_sync(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Call ``func(*args, **kwargs)`` on worker ``to`` and wait for the result."""
     return _current().call_sync(to, func, args, kwargs, timeout)
+
+
+def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and keep the result there; returns an RRef
+    to it at once (``confirmed_by_owner()`` turns True when the owner has registered it)."""
+    agent = _current()
+    info = agent.worker_info(to)
+    context = agent.rrefs
+    rref_id = context.new_id()
+    type_name = getattr(func, "__qualname__", type(func).__qualname__)
+    call_args = (list(rref_id), None, encode_function(func), tuple(args or ()), dict(kwargs or {}))
+    if info.id == agent.rank:
+        rref = RRef._owner_handle(context, rref_id, type_name)
+        agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+        return rref
+    fork_id = context.new_id()
+    rref = RRef._user(context, rref_id, info.id, fork_id, type_name)
+    call_args = (call_args[0], list(fork_id), *call_args[2:])
+    registered = agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+    registered.add_done_callback(rref._confirm_if_ok)
+    return rref
 
 
 def _set_rpc_timeout(rpc_timeout: float) -> None:

@@ -1,0 +1,358 @@
+"""Remote references (``RRef``) and the owner/user protocol, as torch's.
+
+An RRef names a value that lives on its *owner*. Every other worker holding it holds a *fork*
+(a user RRef with a fork id). The owner keeps the value while any fork, or a local handle of
+its own, exists:
+
+* ``remote()``: the caller makes the ids and sends PYTHON_REMOTE_CALL. The owner runs the
+  function, stores the value (or its exception, raised later by ``to_here``) and registers
+  the caller's fork. Its answer confirms the caller's RRef.
+* An RRef passed in a call's arguments is forked. The sender makes a new fork id and, if it is
+  a user, keeps its own RRef alive until the receiver says RREF_CHILD_ACCEPT. A receiving user
+  first registers its fork with the owner (RREF_FORK_REQUEST). A receiving owner just gets
+  its local handle back. Either way the parent is then told RREF_CHILD_ACCEPT.
+* A user RRef that Python frees sends RREF_USER_DELETE to the owner.
+* ``to_here()`` sends PYTHON_RREF_FETCH_CALL. The owner answers when the value is ready
+  (async: no thread waits).
+
+The pool serves these messages concurrently, so they may arrive in any order. Every owner
+operation is get-or-create, and a delete that arrives before its fork's registration leaves
+a tombstone. Duplicates are harmless, which issue 5's retries rely on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from transport import MessageType
+
+
+log = logging.getLogger(__name__)
+
+RRefId = tuple  # (worker id that created it, counter)
+
+
+@dataclass
+class _OwnerEntry:
+    value: torch.futures.Future = field(default_factory=torch.futures.Future)
+    forks: set = field(default_factory=set)  # fork ids of live users
+    deleted_early: set = field(default_factory=set)  # deletes that came before their fork
+    local_handles: int = 0
+    created: bool = False  # the remote() call (or RRef(value)) has set it up
+
+
+class RRefContext:
+    """One per agent: this worker's owned values and the user RRefs it keeps alive for children."""
+
+    def __init__(self, agent: Any):
+        self.agent = agent
+        self._lock = threading.Lock()
+        self._owned: dict[RRefId, _OwnerEntry] = {}
+        self._pending_children: dict[tuple, "RRef"] = {}  # fork id -> our RRef, until accepted
+        self._counter = itertools.count(1)
+
+    def new_id(self) -> tuple:
+        return (self.agent.rank, next(self._counter))
+
+    # -------------------------------------------------------------------------- owner side
+
+    def _entry(self, rref_id: RRefId) -> _OwnerEntry:  # caller holds the lock
+        entry = self._owned.get(rref_id)
+        if entry is None:
+            entry = self._owned[rref_id] = _OwnerEntry()
+        return entry
+
+    def owner_value(self, rref_id: RRefId) -> torch.futures.Future:
+        with self._lock:
+            return self._entry(rref_id).value
+
+    def add_fork(self, rref_id: RRefId, fork_id: tuple) -> None:
+        with self._lock:
+            entry = self._entry(rref_id)
+            if fork_id in entry.deleted_early:
+                entry.deleted_early.discard(fork_id)  # its delete came first: nothing to keep
+                self._maybe_release(rref_id, entry)
+            else:
+                entry.forks.add(fork_id)
+
+    def delete_fork(self, rref_id: RRefId, fork_id: tuple) -> None:
+        with self._lock:
+            entry = self._owned.get(rref_id)
+            if entry is None:
+                entry = self._entry(rref_id)
+            if fork_id in entry.forks:
+                entry.forks.discard(fork_id)
+            else:
+                entry.deleted_early.add(fork_id)
+            self._maybe_release(rref_id, entry)
+
+    def set_created(self, rref_id: RRefId) -> None:
+        with self._lock:
+            self._entry(rref_id).created = True
+
+    def add_local_handle(self, rref_id: RRefId) -> None:
+        with self._lock:
+            self._entry(rref_id).local_handles += 1
+
+    def drop_local_handle(self, rref_id: RRefId) -> None:
+        with self._lock:
+            entry = self._owned.get(rref_id)
+            if entry is not None:
+                entry.local_handles -= 1
+                self._maybe_release(rref_id, entry)
+
+    def _maybe_release(self, rref_id: RRefId, entry: _OwnerEntry) -> None:  # caller holds the lock
+        if entry.created and not entry.forks and not entry.deleted_early and entry.local_handles <= 0:
+            del self._owned[rref_id]
+
+    def owned_count(self) -> int:
+        with self._lock:
+            return len(self._owned)
+
+    # --------------------------------------------------------------------------- user side
+
+    def keep_for_child(self, fork_id: tuple, rref: "RRef") -> None:
+        with self._lock:
+            self._pending_children[fork_id] = rref
+
+    def child_accepted(self, fork_id: tuple) -> None:
+        with self._lock:
+            self._pending_children.pop(fork_id, None)
+
+    def pending_children(self) -> int:
+        with self._lock:
+            return len(self._pending_children)
+
+    # ------------------------------------------------------------------------- wire format
+
+    def encode(self, rref: "RRef") -> list:
+        """Fork ``rref`` for whoever receives this message."""
+        fork_id = self.new_id()
+        if rref.is_owner():
+            # The owner registers the fork itself; the receiver's delete will remove it.
+            self.add_fork(rref.rref_id, fork_id)
+        else:
+            self.keep_for_child(fork_id, rref)
+        return [list(rref.rref_id), rref.owner_id, list(fork_id), self.agent.rank, rref._type_name]
+
+    def decode(self, value: list) -> "RRef":
+        rref_id, owner_id, fork_id, parent, type_name = value
+        rref_id, fork_id = tuple(rref_id), tuple(fork_id)
+        agent = self.agent
+        if owner_id == agent.rank:
+            rref = RRef._owner_handle(self, rref_id, type_name)
+            if parent == agent.rank:
+                # We sent it to ourselves and registered a fork for the receiver, which turns
+                # out to be us, the owner: drop that fork again.
+                self.delete_fork(rref_id, fork_id)
+            if parent != agent.rank:
+                agent.call(parent, _child_accept, (fork_id,), None, 0, message_type=MessageType.RREF_CHILD_ACCEPT)
+            else:
+                self.child_accepted(fork_id)
+            return rref
+        rref = RRef._user(self, rref_id, owner_id, fork_id, type_name)
+        if parent == owner_id:
+            rref._confirmed.set()  # the owner registered this fork when it sent it
+            return rref
+        registered = agent.call(owner_id, _fork_request, (list(rref_id), list(fork_id)), None, 0,
+                                message_type=MessageType.RREF_FORK_REQUEST)
+
+        def confirmed(done: Any) -> None:
+            rref._confirm_if_ok(done)
+            if parent == agent.rank:
+                self.child_accepted(fork_id)
+            else:
+                agent.call(parent, _child_accept, (list(fork_id),), None, 0, message_type=MessageType.RREF_CHILD_ACCEPT)
+
+        registered.add_done_callback(confirmed)
+        return rref
+
+
+class RRef:
+    """A reference to a value on a (possibly) remote worker.
+
+    ``RRef(value)`` makes a local one, owned here. ``remote()`` returns them for values on other
+    workers.
+    """
+
+    def __init__(self, value: Any, type_hint: type | None = None):
+        from .api import _current
+
+        context = _current().rrefs
+        rref_id = context.new_id()
+        future = context.owner_value(rref_id)
+        future.set_result(value)
+        context.set_created(rref_id)
+        self._init_owner(context, rref_id, (type_hint or type(value)).__qualname__)
+
+    # How handles are made (not through __init__, which is the public RRef(value)).
+    @classmethod
+    def _owner_handle(cls, context: RRefContext, rref_id: RRefId, type_name: str) -> "RRef":
+        rref = cls.__new__(cls)
+        rref._init_owner(context, rref_id, type_name)
+        return rref
+
+    @classmethod
+    def _user(cls, context: RRefContext, rref_id: RRefId, owner_id: int, fork_id: tuple, type_name: str) -> "RRef":
+        rref = cls.__new__(cls)
+        rref._context, rref.rref_id, rref.owner_id, rref.fork_id = context, rref_id, owner_id, fork_id
+        rref._type_name = type_name
+        rref._confirmed = threading.Event()
+        return rref
+
+    def _init_owner(self, context: RRefContext, rref_id: RRefId, type_name: str) -> None:
+        self._context, self.rref_id, self.owner_id, self.fork_id = context, rref_id, context.agent.rank, None
+        self._type_name = type_name
+        self._confirmed = threading.Event()
+        self._confirmed.set()
+        context.add_local_handle(rref_id)
+
+    # ------------------------------------------------------------------------------ API
+
+    def is_owner(self) -> bool:
+        return self.fork_id is None
+
+    def owner(self):
+        return self._context.agent.workers_by_id[self.owner_id]
+
+    def owner_name(self) -> str:
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        return self._confirmed.is_set()
+
+    def _confirm_if_ok(self, done: torch.futures.Future) -> None:
+        try:
+            done.value()
+        except Exception:
+            return  # the owner never registered us; to_here() will tell why
+        self._confirmed.set()
+
+    def local_value(self) -> Any:
+        if not self.is_owner():
+            raise RuntimeError(
+                f"Call it on owner. RRef {self.rref_id} is owned by {self.owner()}, "
+                f"local_value() was called on {self._context.agent.info}"
+            )
+        return self._context.owner_value(self.rref_id).wait()
+
+    def to_here(self, timeout: float = -1.0) -> Any:
+        """The value, copied here from its owner (waits until the owner has it)."""
+        if self.is_owner():
+            return self.local_value()
+        agent = self._context.agent
+        value = agent.call_sync(self.owner_id, _fetch, (list(self.rref_id),), None, timeout,
+                                message_type=MessageType.PYTHON_RREF_FETCH_CALL)
+        # The owner registers a fork before it stores the value, so having the value proves it
+        # (the fetch can overtake remote()'s own acknowledgement).
+        self._confirmed.set()
+        return value
+
+    def rpc_sync(self, timeout: float = -1.0) -> "_Proxy":
+        """``rref.rpc_sync().method(*args)`` runs ``method`` on the value, on its owner."""
+        from . import api
+
+        return _Proxy(self, api.rpc_sync, timeout)
+
+    def rpc_async(self, timeout: float = -1.0) -> "_Proxy":
+        from . import api
+
+        return _Proxy(self, api.rpc_async, timeout)
+
+    def remote(self, timeout: float = -1.0) -> "_Proxy":
+        from . import api
+
+        return _Proxy(self, api.remote, timeout)
+
+    def __repr__(self) -> str:
+        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
+        return f"{kind}(RRefId = {self.rref_id}, ForkId = {self.fork_id}, owner = {self.owner_id})"
+
+    def __reduce__(self):
+        raise RuntimeError("RRefs travel in RPC arguments and results, not through pickle")
+
+    def __del__(self) -> None:
+        try:
+            context = self._context
+        except AttributeError:
+            return  # construction failed half-way
+        try:
+            if self.is_owner():
+                context.drop_local_handle(self.rref_id)
+            else:
+                agent = context.agent
+                if not agent.closed and agent.rrefs is context:
+                    agent.call(self.owner_id, _delete_fork, (list(self.rref_id), list(self.fork_id)), None, 0,
+                               message_type=MessageType.RREF_USER_DELETE)
+        except Exception:  # interpreter shutdown, peer gone: the owner's loss handling covers it
+            pass
+
+
+class _Proxy:
+    """``rref.rpc_sync()`` and friends: attribute access names a method of the remote value."""
+
+    def __init__(self, rref: RRef, invoke: Callable, timeout: float):
+        self._rref, self._invoke, self._timeout = rref, invoke, timeout
+
+    def __getattr__(self, name: str) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._invoke(self._rref.owner(), _call_method, args=(name, self._rref, args, kwargs), timeout=self._timeout)
+
+        return call
+
+
+# ------------------------------------------------- functions the owner runs (by reference)
+
+
+def _context() -> RRefContext:
+    from .api import _current
+
+    return _current().rrefs
+
+
+def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: tuple, kwargs: dict) -> None:
+    """On the owner, for remote(): register the caller's fork, run, keep the value."""
+    from .serialization import resolve_function
+
+    context, rref_id = _context(), tuple(rref_id)
+    if fork_id is not None:
+        context.add_fork(rref_id, tuple(fork_id))
+    future = context.owner_value(rref_id)
+    try:
+        future.set_result(resolve_function(function)(*args, **kwargs))
+    except Exception as exc:  # raised to whoever fetches the value, as torch does
+        future.set_exception(exc)
+    context.set_created(rref_id)
+
+
+def _fetch(rref_id: list) -> torch.futures.Future:
+    return _context().owner_value(tuple(rref_id))
+
+
+_fetch._wrapped_async_rpc_function = _fetch  # answered when the value is ready
+
+
+def _fork_request(rref_id: list, fork_id: list) -> None:
+    _context().add_fork(tuple(rref_id), tuple(fork_id))
+
+
+def _child_accept(fork_id: list) -> None:
+    _context().child_accepted(tuple(fork_id))
+
+
+def _delete_fork(rref_id: list, fork_id: list) -> None:
+    _context().delete_fork(tuple(rref_id), tuple(fork_id))
+
+
+def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> Any:
+    return getattr(rref.local_value(), name)(*args, **kwargs)
+
+
+def _owned_count() -> int:
+    return _context().owned_count()
