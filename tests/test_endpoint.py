@@ -337,3 +337,25 @@ def test_short_lived_sender_threads_do_not_accumulate_wake_sockets(client):
     assert len(client.endpoint._wake_sockets) <= 3
     log = client.call({"op": "log"})
     assert [seq for sender, seq in log if sender == client.endpoint.identity] == list(range(50))
+
+
+def test_messages_sent_just_before_close_arrive_before_the_loss():
+    """A peer that sends and closes at once: everything it sent arrives, then it is lost."""
+    events = queue.SimpleQueue()
+    receiver = Endpoint(
+        "last-words-receiver",
+        on_message=lambda m: events.put(("message", m.payload)),
+        on_peer_lost=lambda peer, error: events.put(("lost", peer)),
+    )
+    try:
+        for round_number in range(5):
+            sender = Endpoint(f"last-words-{round_number}")
+            sender.connect("last-words-receiver", receiver.address)
+            for seq in range(200):
+                sender.send("last-words-receiver", Message(MessageType.PYTHON_RET, seq + 1, sender.identity, seq))
+            sender.close()
+            got = [events.get(timeout=10) for _ in range(201)]
+            assert got[:200] == [("message", seq) for seq in range(200)]
+            assert got[200] == ("lost", sender.identity)
+    finally:
+        receiver.close()

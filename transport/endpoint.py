@@ -407,6 +407,7 @@ class Endpoint:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._by_address: dict[str, str] = {}  # connected address -> peer
         self._by_fd: dict[int, str] = {}  # accepted connection fd -> peer
+        self._closing: dict[str, str] = {}  # peers whose connection is gone -> why
         self._heartbeat_frames = self.codec.encode(Message(MessageType.HEARTBEAT, 0, self.identity))
 
     def _close_sockets(self, linger: float) -> None:
@@ -439,12 +440,14 @@ class Endpoint:
             if wake in ready:
                 while wake.get(zmq.EVENTS) & zmq.POLLIN:
                     wake.recv()
-            if monitor in ready:
-                self._read_monitor()
             if router in ready:
                 self._receive_batch()
+            if monitor in ready:
+                self._read_monitor()
             if not self._drain_outbox():
                 return
+            if self._closing:
+                self._declare_gone_peers_lost()
             now = time.monotonic()
             if now >= next_tick:
                 self._tick(now)
@@ -500,9 +503,9 @@ class Endpoint:
             self._router.send_multipart([record.routing_id, *frames], flags=zmq.NOBLOCK, copy=copy)
         except zmq.ZMQError as exc:
             stats.send_errors += 1
-            reason = "no connection to it" if exc.errno == zmq.EHOSTUNREACH else str(exc)
-            self._peer_lost(peer, f"send failed: {reason}")
-            self._report_send_error(peer, message_id, self._peers[peer].lost_error)
+            reason = "send failed: " + ("no connection to it" if exc.errno == zmq.EHOSTUNREACH else str(exc))
+            self._connection_gone(peer, reason)
+            self._report_send_error(peer, message_id, PeerLostError(peer, f"{self.identity}: lost peer {peer!r}: {reason}"))
             return
         record.last_sent = time.monotonic()
         stats.messages_sent += 1
@@ -624,7 +627,20 @@ class Endpoint:
             address = event["endpoint"].decode(errors="replace")
             peer = self._by_address.get(address) or self._by_fd.pop(event["value"], None)
             if peer is not None:
-                self._peer_lost(peer, f"connection closed ({address})")
+                self._connection_gone(peer, f"connection closed ({address})")
+
+    def _connection_gone(self, peer: str, reason: str) -> None:
+        """The peer's connection is gone; it is declared lost at the end of this loop turn.
+
+        Not at once: what it sent just before (answers, GOODBYE) may still be unread in our
+        socket, and a lost peer's messages are dropped."""
+        self._closing.setdefault(peer, reason)
+
+    def _declare_gone_peers_lost(self) -> None:
+        self._receive_batch()  # take what they sent before going
+        closing, self._closing = self._closing, {}
+        for peer, reason in closing.items():
+            self._peer_lost(peer, reason)
 
     def _tick(self, now: float) -> None:
         """Heartbeats out, and silent peers declared lost."""

@@ -129,6 +129,8 @@ class Agent:
         # Peers that finish init_rpc first may call us before our init_rpc has published this
         # agent; their calls wait here until it has (see start_serving).
         self._serving = threading.Event()
+        self._arrivals: dict[int, torch.futures.Future] = {}  # the leader's shutdown barrier
+        self._barrier_ids: set[int] = set()  # our own pending barrier call
         self._timer = threading.Thread(target=self._expire_loop, name=f"rpc-timeouts-{name}", daemon=True)
         self._timer.start()
         try:
@@ -172,10 +174,11 @@ class Agent:
 
     def call(
         self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
-        message_type: MessageType = MessageType.PYTHON_CALL,
+        message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
     ) -> Any:
         """Send a call; the returned future (a _SyncSlot when ``sync``) completes with its
-        result or exception."""
+        result or exception. ``barrier`` marks the shutdown barrier's own call, which
+        ``wait_outstanding`` does not count."""
         info = self.worker_info(to)
         if args is not None and not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple or list, got {type(args).__qualname__}")
@@ -190,6 +193,8 @@ class Agent:
             if self._stopping:
                 raise RpcError("RPC is shutting down on this worker")
             self._pending[message_id] = _Pending(future, info, timeout)
+            if barrier:
+                self._barrier_ids.add(message_id)
             if timeout > 0:
                 heapq.heappush(self._deadlines, (time.monotonic() + timeout, message_id))
                 self._deadline_changed.notify()
@@ -206,10 +211,10 @@ class Agent:
 
     def call_sync(
         self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float,
-        message_type: MessageType = MessageType.PYTHON_CALL,
+        message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
     ) -> Any:
         """Call and wait; a pool thread that waits lets the pool start another (nested RPCs)."""
-        slot = self.call(to, function, args, kwargs, timeout, sync=True, message_type=message_type)
+        slot = self.call(to, function, args, kwargs, timeout, sync=True, message_type=message_type, barrier=barrier)
         with self.pool.blocking():
             slot.event.wait()
         if slot.envelope is not None:  # handed over undecoded by the I/O thread
@@ -330,6 +335,8 @@ class Agent:
                 self._take(message_id)
         for _, pending in lost:
             pending.future.set_exception(PeerLostError(peer, f"call to {pending.to} failed: {error}"))
+        if self._arrivals:  # the others wait at the shutdown barrier for someone who is gone
+            self._release_arrivals(PeerLostError(peer, f"shutdown: {error}"))
 
     # -------------------------------------------------------------------------- timeouts
 
@@ -359,6 +366,38 @@ class Agent:
 
     # -------------------------------------------------------------------------- shutdown
 
+    # ------------------------------------------------------------- the shutdown barrier
+
+    def shutdown_barrier(self, timeout: float | None) -> None:
+        """Every worker calls the leader (rank 0); the leader answers them all once everyone has
+        arrived (torch's _wait_all_workers). A lost peer fails the wait, on every worker."""
+        self.call_sync(0, _arrive_at_shutdown, (self.rank,), None, timeout or 0, barrier=True)
+
+    def _arrive(self, rank: int) -> torch.futures.Future:
+        """On the leader: one future per arrival, all completed once everyone has arrived."""
+        arrival: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            self._arrivals[rank] = arrival
+            everyone = len(self._arrivals) == len(self.workers)
+        lost = [peer for peer, state in self.endpoint.peers().items() if state == "lost"]
+        if lost:  # someone who can never arrive
+            self._release_arrivals(RpcError(f"shutdown: lost worker(s) {', '.join(sorted(lost))}"))
+        elif everyone:
+            self._release_arrivals(None)
+        return arrival
+
+    def _release_arrivals(self, error: Exception | None) -> None:
+        with self._lock:
+            arrivals, self._arrivals = self._arrivals, {}
+        # The leader's own arrival last: its shutdown closes the endpoint, and by then the
+        # answers to everyone else must be queued (close sends what is queued first).
+        for rank in sorted(arrivals, key=lambda r: r == self.rank):
+            arrival = arrivals[rank]
+            if error is None:
+                arrival.set_result(True)
+            else:
+                arrival.set_exception(error)
+
     @property
     def closed(self) -> bool:
         return self._stopping
@@ -368,9 +407,10 @@ class Agent:
             return len(self._pending)
 
     def _take(self, message_id: int) -> _Pending | None:
-        """Remove a pending call (caller holds the lock); wakes shutdown when none are left."""
+        """Remove a pending call (caller holds the lock) and wake wait_outstanding."""
         pending = self._pending.pop(message_id, None)
-        if pending is not None and not self._pending:
+        if pending is not None:
+            self._barrier_ids.discard(message_id)
             self._all_done.notify_all()
         return pending
 
@@ -378,7 +418,21 @@ class Agent:
         """Wait until every call this worker made has completed (None: no limit; calls end by
         themselves: answered, timed out, or failed when their peer is lost); False on timeout."""
         with self._lock:
-            return self._all_done.wait_for(lambda: not self._pending, timeout)
+            return self._all_done.wait_for(lambda: len(self._pending) <= len(self._barrier_ids), timeout)
+
+    def _take(self, message_id: int) -> _Pending | None:
+        """Remove a pending call (caller holds the lock) and wake wait_outstanding."""
+        pending = self._pending.pop(message_id, None)
+        if pending is not None:
+            self._barrier_ids.discard(message_id)
+            self._all_done.notify_all()
+        return pending
+
+    def wait_outstanding(self, timeout: float | None) -> bool:
+        """Wait until every call this worker made has completed (None: no limit; calls end by
+        themselves: answered, timed out, or failed when their peer is lost); False on timeout."""
+        with self._lock:
+            return self._all_done.wait_for(lambda: len(self._pending) <= len(self._barrier_ids), timeout)
 
     def lost_peers_reason(self) -> str | None:
         lost = sorted(int(p) for p, state in self.endpoint.peers().items() if state == "lost")
@@ -386,7 +440,7 @@ class Agent:
             return None
         return "lost " + ", ".join(repr(self.workers_by_id[r]) for r in lost)
 
-    def _close_now(self, reason: str) -> None:
+    def _close_now(self, reason: str, drain: float = 10.0) -> None:
         self._serving.set()  # release calls that were waiting for an init that failed
         with self._lock:
             self._stopping = True
@@ -396,9 +450,20 @@ class Agent:
         for p in pending.values():
             if not p.future.done():
                 p.future.set_exception(RpcError(f"call to {p.to} abandoned: {reason}"))
+        # Calls already running finish first and queue their answers (the shutdown barrier's
+        # among them); only then does the endpoint close, sending what is queued.
+        self.pool.shutdown(timeout=drain)
         self.endpoint.close()
-        self.pool.shutdown()
         self._timer.join(5)
+
+
+def _arrive_at_shutdown(rank: int) -> torch.futures.Future:
+    from .api import _current
+
+    return _current()._arrive(rank)
+
+
+_arrive_at_shutdown._wrapped_async_rpc_function = _arrive_at_shutdown
 
 
 def _with_context(exc: Exception, context: str) -> Exception:

@@ -10,14 +10,13 @@ import torch
 from transport import MessageType
 
 from .agent import Agent, WorkerInfo
-from .errors import RendezvousError, RpcError, RpcNotInitializedError
+from .errors import RpcError, RpcNotInitializedError
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 from .rendezvous import Rendezvous
 from .rref import RRef, _run_remote
 from .serialization import encode_function
 
 _agent: Agent | None = None
-_rendezvous: Rendezvous | None = None
 _state_lock = threading.Lock()
 
 
@@ -36,7 +35,7 @@ def init_rpc(
     rpc_backend_options: ZmqRpcBackendOptions | None = None,
 ) -> None:
     """Join the group as ``name``: rendezvous, connect to every worker, start serving."""
-    global _agent, _rendezvous
+    global _agent
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     if backend is not None and str(backend).upper() not in ("ZMQ", "TENSORPIPE", "BACKENDTYPE.TENSORPIPE"):
@@ -48,7 +47,6 @@ def init_rpc(
         timeout = options.rpc_timeout if options.rpc_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
         rendezvous = Rendezvous(options.init_method, rank, world_size, timeout)
         _agent = Agent(name, rendezvous, options)
-        _rendezvous = rendezvous
     _agent.start_serving()
 
 
@@ -62,9 +60,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     worker is closed, and the error says what was still outstanding.
     graceful=False: fail this worker's pending calls and close at once.
     """
-    global _agent, _rendezvous
+    global _agent
     with _state_lock:
-        agent, rendezvous = _current(), _rendezvous
+        agent = _current()
     # The agent stays current until it closes: while we wait for the others, this worker
     # still serves their calls, and those may make RPCs of their own.
     limit = timeout if timeout > 0 else None
@@ -74,20 +72,15 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             # Outstanding calls end by themselves: answered, timed out, or failed by peer loss.
             if not agent.wait_outstanding(limit):
                 raise RpcError(f"shutdown: {agent.outstanding()} call(s) of {agent.info} still outstanding after {limit} s")
-            rendezvous.barrier("shutdown", limit, abort=agent.lost_peers_reason)
-        except (RpcError, RendezvousError) as exc:
-            error = exc
+            agent.shutdown_barrier(limit)
+        except RuntimeError as exc:  # timed out, or a peer was lost: say so, close anyway
+            error = RpcError(f"shutdown of {agent.info} was not graceful: {exc}")
     with _state_lock:
-        _agent = _rendezvous = None
-    agent._close_now("shutdown" if graceful else "shutdown(graceful=False)")
-    if graceful and error is None:
-        # The store lives in rank 0's process: it leaves last, once everyone is past the barrier.
-        try:
-            rendezvous.store.set(f"{rendezvous.key}/left/{rendezvous.rank}", "1")
-            if rendezvous.rank == 0:
-                rendezvous.barrier("left", limit or DEFAULT_RPC_TIMEOUT_SEC)
-        except Exception as exc:  # the others are gone already; nothing is lost
-            error = None if isinstance(exc, RendezvousError) and rendezvous.rank != 0 else exc
+        _agent = None
+    if graceful:
+        agent._close_now("shutdown")
+    else:
+        agent._close_now("shutdown(graceful=False)", drain=0.5)
     if error is not None:
         raise error
 

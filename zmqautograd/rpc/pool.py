@@ -15,12 +15,15 @@ Threads beyond ``size`` leave again when they find no work.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _current_pool = threading.local()
 
@@ -45,7 +48,11 @@ class ElasticPool:
     def submit(self, function: Callable, *args: Any) -> None:
         with self._lock:
             if self._closed.is_set():
-                raise RuntimeError(f"pool {self.name} is shut down")
+                # Shutting down: work that arrives now is not run (its caller's call fails by
+                # timeout or when this worker's endpoint closes). Never an exception here: the
+                # caller may be an I/O thread.
+                log.info("pool %s is shut down: dropped %s", self.name, getattr(function, "__qualname__", function))
+                return
             self._pending += 1
             self._queue.put((function, args))
             if self._pending > self._idle and len(self._threads) < self.size:

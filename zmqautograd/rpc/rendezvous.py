@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from urllib.parse import urlparse
@@ -76,27 +75,6 @@ class Rendezvous:
                 )
             names[m["name"]] = m["rank"]
         return [Member(m["name"], m["rank"], m["address"]) for m in members]
-
-    def barrier(self, tag: str, timeout: float | None = None, abort: Callable[[], str | None] | None = None) -> None:
-        """Wait until every rank reached ``tag``. ``timeout`` None or 0: no limit, but ``abort()``
-        is asked every second and a reason it returns (a lost peer, say) ends the wait."""
-        self.store.set(f"{self.key}/{tag}/{self.rank}", "1")
-        keys = [f"{self.key}/{tag}/{r}" for r in range(self.world_size)]
-        if timeout and not abort:
-            self._wait(keys, tag, timeout)
-            return
-        deadline = time.monotonic() + timeout if timeout else None
-        while True:
-            step = 1.0 if deadline is None else max(0.01, min(1.0, deadline - time.monotonic()))
-            try:
-                self._wait(keys, tag, step)
-                return
-            except RendezvousError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-            reason = abort() if abort else None
-            if reason:
-                raise RendezvousError(f"rank {self.rank}: gave up waiting for every rank to {tag}: {reason}")
 
     def _wait(self, keys: list[str], what: str, timeout: float | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
