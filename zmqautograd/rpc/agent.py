@@ -420,26 +420,6 @@ class Agent:
         with self._lock:
             return self._all_done.wait_for(lambda: len(self._pending) <= len(self._barrier_ids), timeout)
 
-    def _take(self, message_id: int) -> _Pending | None:
-        """Remove a pending call (caller holds the lock) and wake wait_outstanding."""
-        pending = self._pending.pop(message_id, None)
-        if pending is not None:
-            self._barrier_ids.discard(message_id)
-            self._all_done.notify_all()
-        return pending
-
-    def wait_outstanding(self, timeout: float | None) -> bool:
-        """Wait until every call this worker made has completed (None: no limit; calls end by
-        themselves: answered, timed out, or failed when their peer is lost); False on timeout."""
-        with self._lock:
-            return self._all_done.wait_for(lambda: len(self._pending) <= len(self._barrier_ids), timeout)
-
-    def lost_peers_reason(self) -> str | None:
-        lost = sorted(int(p) for p, state in self.endpoint.peers().items() if state == "lost")
-        if not lost:
-            return None
-        return "lost " + ", ".join(repr(self.workers_by_id[r]) for r in lost)
-
     def _close_now(self, reason: str, drain: float = 10.0) -> None:
         self._serving.set()  # release calls that were waiting for an init that failed
         with self._lock:
