@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import signal
 import tempfile
