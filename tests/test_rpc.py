@@ -370,3 +370,52 @@ def test_dropped_rrefs_leave_nothing_on_the_owner(group):
     del rrefs
     _settle_everyone(group)
     assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline
+
+
+def test_workers_that_disagree_on_world_size_get_a_clear_error():
+    outcome = _run_group([(0, "a", 2), (1, "b", 3)], timeout=5)
+    assert "workers disagree on world_size: [2, 3]" in outcome[0], outcome
+    assert "RendezvousError" in outcome[1], outcome  # rank 1 waits for a rank 2 that never comes
+
+
+def _ungraceful_worker(rank, init_method, results):
+    try:
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
+                     rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=30))
+        if rank == 0:
+            pending = rpc.rpc_async("w1", f.sleep_and_return, args=(20, "late"))
+            started = time.monotonic()
+            rpc.shutdown(graceful=False)  # returns at once, failing what is pending
+            elapsed = time.monotonic() - started
+            try:
+                pending.wait()
+                results.put((0, "pending call succeeded"))
+            except RuntimeError as exc:
+                results.put((0, elapsed, str(exc)))
+        else:
+            try:
+                rpc.shutdown()  # graceful: rank 0 is gone, so this must fail clearly, not hang
+                results.put((1, "graceful shutdown succeeded"))
+            except RuntimeError as exc:
+                results.put((1, str(exc)))
+    except BaseException as exc:
+        results.put((rank, "error", repr(exc)))
+
+
+def test_ungraceful_shutdown_returns_at_once_and_the_peer_fails_clearly():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    processes = [ctx.Process(target=_ungraceful_worker, args=(r, init_method, results)) for r in range(2)]
+    for p in processes:
+        p.start()
+    got = {}
+    for _ in processes:
+        item = results.get(timeout=90)
+        got[item[0]] = item[1:]
+    for p in processes:
+        p.join(60)
+    elapsed, message = got[0]
+    assert elapsed < 3.0 and "abandoned" in message, got
+    message = got[1][0]  # rank 1's graceful shutdown: rank 0 left, so it fails, naming it
+    assert "was not graceful" in message and "name=w0" in message and "lost peer '0'" in message, got
