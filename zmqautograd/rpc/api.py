@@ -20,9 +20,15 @@ _agent: Agent | None = None
 _state_lock = threading.Lock()
 
 
+_closing: Agent | None = None  # between shutdown unpublishing the agent and its close
+
+
 def _current() -> Agent:
     agent = _agent
     if agent is None:
+        closing = _closing
+        if closing is not None:
+            raise RpcNotInitializedError(f"RPC is shutting down on {closing.info}")
         raise RpcNotInitializedError("RPC has not been initialized. Call zmqautograd.rpc.init_rpc first.")
     return agent
 
@@ -75,12 +81,16 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             agent.shutdown_barrier(limit)
         except RuntimeError as exc:  # timed out, or a peer was lost: say so, close anyway
             error = RpcError(f"shutdown of {agent.info} was not graceful: {exc}")
+    global _closing
     with _state_lock:
-        _agent = None
-    if graceful:
-        agent._close_now("shutdown")
-    else:
-        agent._close_now("shutdown(graceful=False)", drain=0.5)
+        _agent, _closing = None, agent
+    try:
+        if graceful:
+            agent._close_now("shutdown")
+        else:
+            agent._close_now("shutdown(graceful=False)", drain=0.5)
+    finally:
+        _closing = None
     if error is not None:
         raise error
 
