@@ -9,7 +9,8 @@ per second, then checks the model against held-out data.
 (Distributed autograd, where the backward pass itself runs across workers, comes with the next
 layer; this demo uses RPC only.)
 
-    python tools/demo.py [--steps 300]
+    python tools/demo.py [--steps 300]          # all four processes on this machine
+    RANK=r WORLD_SIZE=4 MASTER_ADDR=host MASTER_PORT=29500 python tools/demo.py   # one of them
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import zmqautograd.rpc as rpc  # noqa: E402
 
 WORKERS = 3
+WORLD = WORKERS + 1
 IN, HIDDEN, OUT = 16, 64, 1
 
 
@@ -114,6 +116,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=128)
     args = parser.parse_args()
+    if "RANK" in os.environ:
+        # One process of a group launched elsewhere (torchrun, docker-compose): join with env://
+        # (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).
+        if int(os.environ.get("WORLD_SIZE", "0")) != WORLD:
+            raise SystemExit(f"the demo runs with WORLD_SIZE={WORLD} (a driver and {WORKERS} workers)")
+        run(int(os.environ["RANK"]), "env://", args.steps, args.batch)
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
