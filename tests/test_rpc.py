@@ -148,16 +148,25 @@ def _lifecycle_worker(rank, init_method, results):
         results.put((rank, "error", repr(exc)))
 
 
-def test_shutdown_and_init_again_in_the_same_processes():
+def _run_pair(target, expected_results: int) -> list:
+    """Run ``target(rank, init_method, results)`` in two fresh processes; their results."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    processes = [ctx.Process(target=_lifecycle_worker, args=(r, init_method, results)) for r in range(2)]
+    processes = [ctx.Process(target=target, args=(rank, init_method, results)) for rank in range(2)]
     for p in processes:
         p.start()
-    got = sorted((results.get(timeout=90) for _ in range(6)), key=str)
-    for p in processes:
-        p.join(30)
+    try:
+        return [results.get(timeout=90) for _ in range(expected_results)]
+    finally:
+        for p in processes:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+
+
+def test_shutdown_and_init_again_in_the_same_processes():
+    got = sorted(_run_pair(_lifecycle_worker, 6), key=str)
     assert [g for g in got if g[1] == "error"] == []
     assert sorted(g for g in got if g[1] in (0, 1)) == [(0, 0, "w1"), (0, 1, "w1"), (1, 0, "w0"), (1, 1, "w0")]
     assert all("RPC has not been initialized" in g[2] for g in got if g[1] == "after")
@@ -403,18 +412,7 @@ def _ungraceful_worker(rank, init_method, results):
 
 
 def test_ungraceful_shutdown_returns_at_once_and_the_peer_fails_clearly():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    processes = [ctx.Process(target=_ungraceful_worker, args=(r, init_method, results)) for r in range(2)]
-    for p in processes:
-        p.start()
-    got = {}
-    for _ in processes:
-        item = results.get(timeout=90)
-        got[item[0]] = item[1:]
-    for p in processes:
-        p.join(60)
+    got = {item[0]: item[1:] for item in _run_pair(_ungraceful_worker, 2)}
     elapsed, message = got[0]
     assert elapsed < 3.0 and "abandoned" in message, got
     # Rank 1's graceful shutdown: rank 0 left without waiting, so it fails, naming rank 0 and
