@@ -603,18 +603,20 @@ class Endpoint:
             self._stats.setdefault(peer, PeerStats()).protocol_errors += 1
         if envelope is not None and envelope.type in _CONTROL_TYPES:
             return  # never answer a control message with another: two broken peers could loop
-        reply = self.codec.encode(
-            Message(
-                MessageType.PROTOCOL_ERROR,
-                envelope.id if envelope else 0,
-                self.identity,
-                {"error": f"{type(exc).__name__}: {exc}"[:4096], "type": envelope.type.name if envelope else None},
-            )
-        )
+        reply = self.codec.encode(self._protocol_error_message(envelope, exc))
         try:
             self._router.send_multipart([routing_id, *reply], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the sender is already gone; nothing more to tell
+
+    def _protocol_error_message(self, envelope: Envelope | None, exc: Exception) -> Message:
+        """The PROTOCOL_ERROR answer to a message we could not read (the envelope, if it was)."""
+        return Message(
+            MessageType.PROTOCOL_ERROR,
+            envelope.id if envelope else 0,
+            self.identity,
+            {"error": f"{type(exc).__name__}: {exc}"[:4096], "type": envelope.type.name if envelope else None},
+        )
 
     def _read_monitor(self) -> None:
         while True:
@@ -738,14 +740,8 @@ class Endpoint:
         log.warning("endpoint %s: malformed %s payload from %s: %s", self.identity, envelope.type.name, peer, exc)
         with self._lock:
             self._stats[peer].protocol_errors += 1
-        reply = Message(
-            MessageType.PROTOCOL_ERROR,
-            envelope.id,
-            self.identity,
-            {"error": f"{type(exc).__name__}: {exc}"[:4096], "type": envelope.type.name},
-        )
         try:
-            self.send(peer, reply)
+            self.send(peer, self._protocol_error_message(envelope, exc))
         except TransportError:
             pass  # the sender is gone or we are closing: nobody left to tell
 

@@ -248,11 +248,13 @@ class Agent:
             return None, decode_exception(payload["exc"], repr(to))
         return payload["v"], None
 
+    def _loopback(self, message: Message) -> Message:
+        """A message to ourselves goes through the codec like any other, so that the receiver
+        sees copies of its tensors, as it would from another worker."""
+        return self.codec.decode([bytearray(memoryview(f)) for f in self.codec.encode(message)])
+
     def _call_self(self, message: Message) -> None:
-        # A call to ourselves goes through the codec like any other, so that the callee sees
-        # copies of the arguments, as it would from another worker.
-        frames = [bytearray(memoryview(f)) for f in self.codec.encode(message)]
-        self.pool.submit(self._serve, self.codec.decode(frames))
+        self.pool.submit(self._serve, self._loopback(message))
 
     # ------------------------------------------------------------------------- receiving
 
@@ -300,8 +302,7 @@ class Agent:
     def _reply(self, to: str, reply: Message) -> None:
         try:
             if to == str(self.rank):
-                frames = [bytearray(memoryview(f)) for f in self.codec.encode(reply)]
-                self._complete(self.codec.decode(frames))
+                self._complete(self._loopback(reply))
             else:
                 self.endpoint.send(to, reply)
         except (LocalProtocolError, SerializationError) as exc:

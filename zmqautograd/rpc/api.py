@@ -118,15 +118,15 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
     context = agent.rrefs
     rref_id = context.new_id()
     type_name = getattr(func, "__qualname__", type(func).__qualname__)
-    call_args = (list(rref_id), None, encode_function(func), tuple(args or ()), dict(kwargs or {}))
-    if info.id == agent.rank:
+    owned_here = info.id == agent.rank
+    fork_id = None if owned_here else context.new_id()
+    call_args = (list(rref_id), fork_id and list(fork_id), encode_function(func), tuple(args or ()), dict(kwargs or {}))
+    if owned_here:  # the local handle exists before the call can run
         rref = RRef._owner_handle(context, rref_id, type_name)
         agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
         return rref
-    fork_id = context.new_id()
-    rref = RRef._user(context, rref_id, info.id, fork_id, type_name)
-    call_args = (call_args[0], list(fork_id), *call_args[2:])
     registered = agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+    rref = RRef._user(context, rref_id, info.id, fork_id, type_name)  # only once the call is sent
     registered.add_done_callback(rref._confirm_if_ok)
     return rref
 

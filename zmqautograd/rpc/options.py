@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +38,6 @@ class ZmqRpcBackendOptions:
     allow_pickle: bool = True
     heartbeat_interval: float = 1.0
     peer_timeout: float = 10.0
-    _transports: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_worker_threads < 1:

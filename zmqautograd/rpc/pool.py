@@ -73,9 +73,6 @@ class ElasticPool:
     def thread_count(self) -> int:
         return len(self._threads)
 
-    def in_pool_thread(self) -> bool:
-        return getattr(_current_pool, "pool", None) is self
-
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
             self._closed.set()

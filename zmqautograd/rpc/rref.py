@@ -125,9 +125,13 @@ class RRefContext:
         with self._lock:
             self._pending_children.pop(fork_id, None)
 
-    def pending_children(self) -> int:
-        with self._lock:
-            return len(self._pending_children)
+    def _accept_child(self, parent: int, fork_id: tuple) -> None:
+        """Tell the worker that forked this RRef to us that it may let go of its own."""
+        if parent == self.agent.rank:
+            self.child_accepted(fork_id)
+        else:
+            self.agent.call(parent, _child_accept, (list(fork_id),), None, 0,
+                            message_type=MessageType.RREF_CHILD_ACCEPT)
 
     # ------------------------------------------------------------------------- wire format
 
@@ -151,10 +155,7 @@ class RRefContext:
                 # We sent it to ourselves and registered a fork for the receiver, which turns
                 # out to be us, the owner: drop that fork again.
                 self.delete_fork(rref_id, fork_id)
-            if parent != agent.rank:
-                agent.call(parent, _child_accept, (fork_id,), None, 0, message_type=MessageType.RREF_CHILD_ACCEPT)
-            else:
-                self.child_accepted(fork_id)
+            self._accept_child(parent, fork_id)
             return rref
         rref = RRef._user(self, rref_id, owner_id, fork_id, type_name)
         if parent == owner_id:
@@ -165,10 +166,7 @@ class RRefContext:
 
         def confirmed(done: Any) -> None:
             rref._confirm_if_ok(done)
-            if parent == agent.rank:
-                self.child_accepted(fork_id)
-            else:
-                agent.call(parent, _child_accept, (list(fork_id),), None, 0, message_type=MessageType.RREF_CHILD_ACCEPT)
+            self._accept_child(parent, fork_id)
 
         registered.add_done_callback(confirmed)
         return rref
