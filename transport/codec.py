@@ -21,7 +21,7 @@ encoding raises :class:`LocalProtocolError` for anything it cannot carry.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -132,6 +132,9 @@ class Message:
     id: int
     sender: int | str
     payload: Any = None
+    # On a decoded message: every tensor of the payload, in order (not sent; layers above
+    # use it, e.g. to attach autograd functions to received tensors).
+    tensors: list | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -236,26 +239,29 @@ class Codec:
 
     # -------------------------------------------------------------------------------- encode
 
-    def encode(self, message: Message) -> list[Any]:
-        """Frames for ``message``: the envelope, then one buffer per tensor."""
+    def encode(self, message: Message, tensors: list | None = None) -> list[Any]:
+        """Frames for ``message``: the envelope, then one buffer per tensor. ``tensors``, when
+        given, receives the tensors found in the payload."""
         if not isinstance(message.type, int) or int(message.type) not in MessageType._by_code:
             raise LocalProtocolError(f"unknown message type {message.type!r}")
         if not isinstance(message.id, int) or not 0 <= message.id <= MAX_MESSAGE_ID:
             raise LocalProtocolError(f"message id must be an int in [0, 2**64), got {message.id!r}")
         _check_sender(message.sender, LocalProtocolError)
-        tensors = TensorEncoder(1, self.copy_threshold, self.pinned_pool)
-        payload = _PayloadPacker(self, tensors).pack(message.payload)
+        encoder = TensorEncoder(1, self.copy_threshold, self.pinned_pool, tensors)
+        payload = _PayloadPacker(self, encoder).pack(message.payload)
         envelope = msgpack.packb(
             [PROTOCOL_VERSION, int(message.type), message.id, message.sender, payload], use_bin_type=True
         )
-        return [envelope, *tensors.finish()]
+        return [envelope, *encoder.finish()]
 
     # -------------------------------------------------------------------------------- decode
 
     def decode(self, frames: Sequence[Any]) -> Message:
         """The message in ``frames`` (envelope first). Raises RemoteProtocolError if malformed."""
         envelope = self.decode_envelope(frames)
-        return Message(envelope.type, envelope.id, envelope.sender, self.decode_payload(envelope))
+        tensors: list = []
+        payload = self.decode_payload(envelope, tensors)
+        return Message(envelope.type, envelope.id, envelope.sender, payload, tensors)
 
     def decode_envelope(self, frames: Sequence[Any]) -> Envelope:
         """Validate frame counts and sizes and the envelope, leaving the payload undecoded."""
@@ -293,8 +299,9 @@ class Codec:
             raise RemoteProtocolError("envelope payload must be bytes")
         return Envelope(message_type, message_id, sender, payload, frames[1:], total)
 
-    def decode_payload(self, envelope: Envelope) -> Any:
-        unpacker = _PayloadUnpacker(self, TensorDecoder(envelope.buffers, 1, self.device_map))
+    def decode_payload(self, envelope: Envelope, tensors: list | None = None) -> Any:
+        """The payload; ``tensors``, when given, receives its tensors in order."""
+        unpacker = _PayloadUnpacker(self, TensorDecoder(envelope.buffers, 1, self.device_map, tensors))
         try:
             payload = unpacker.unpack(envelope.payload_bytes)
             unpacker.tensors.check_all_used()

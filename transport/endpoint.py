@@ -255,7 +255,11 @@ class Endpoint:
         cannot be sent, LocalProtocolError when it cannot be encoded. Tensors of 64 KiB and
         more are sent without a copy: do not modify them until the peer has answered.
         """
-        frames = self.codec.encode(message)
+        self.send_encoded(peer, message.id, self.codec.encode(message))
+
+    def send_encoded(self, peer: str, message_id: int, frames: list) -> None:
+        """``send`` for a message already encoded with this endpoint's codec (a layer that
+        must see the message's tensors before it commits to sending it)."""
         nbytes = _frames_nbytes(frames)
         with self._lock:
             self._check_open()
@@ -264,7 +268,7 @@ class Endpoint:
                 raise UnknownPeerError(peer, f"{self.identity}: unknown peer {peer!r}")
             if record.lost_error is not None:
                 raise PeerLostError(peer, str(record.lost_error))
-            self._post_locked(("send", peer, message.id, frames, nbytes))
+            self._post_locked(("send", peer, message_id, frames, nbytes))
 
     def recv(self, timeout: float | None = None) -> Message:
         """The next incoming message (only without ``on_message``). A message whose payload
@@ -729,12 +733,13 @@ class Endpoint:
             log.exception("endpoint %s: on_message failed for %s from %s", self.identity, message.type.name, peer)
 
     def _decode(self, peer: str, envelope: Envelope) -> Message | None:
+        tensors: list = []
         try:
-            payload = self.codec.decode_payload(envelope)
+            payload = self.codec.decode_payload(envelope, tensors)
         except (ProtocolError, DeviceMapError) as exc:
             self._reject_payload(peer, envelope, exc)
             return None
-        return Message(envelope.type, envelope.id, envelope.sender, payload)
+        return Message(envelope.type, envelope.id, envelope.sender, payload, tensors)
 
     def _reject_payload(self, peer: str, envelope: Envelope, exc: TransportError) -> None:
         log.warning("endpoint %s: malformed %s payload from %s: %s", self.identity, envelope.type.name, peer, exc)

@@ -110,14 +110,19 @@ class TensorEncoder:
         first_frame_index: int = 0,
         copy_threshold: int = DEFAULT_COPY_THRESHOLD,
         pinned_pool: PinnedBufferPool | None = None,
+        collected: list | None = None,
     ):
         self.buffers: list[Buffer] = []
+        # The message's tensors as given (the autograd layer needs them: which require grad).
+        self.collected = collected
         self._first = first_frame_index
         self._copy_threshold = copy_threshold
         self._pinned_pool = pinned_pool
         self._pending_events: list[Any] = []
 
     def add(self, tensor: torch.Tensor) -> list:
+        if self.collected is not None:
+            self.collected.append(tensor)
         if tensor.is_sparse:
             if tensor.layout != torch.sparse_coo:
                 raise LocalProtocolError(f"cannot send a tensor with layout {tensor.layout}")
@@ -205,6 +210,8 @@ def resolve_device(source: str, device_map: DeviceMap) -> torch.device:
         src = torch.device(source)
     except (RuntimeError, TypeError) as exc:
         raise RemoteProtocolError(f"invalid device {source!r} in tensor descriptor") from exc
+    if src.type not in ("cpu", "cuda"):  # only these are ever sent: a corrupt descriptor
+        raise RemoteProtocolError(f"tensor descriptor names device {source!r}: only cpu and cuda tensors travel")
     target: Any = src
     if callable(device_map):
         target = device_map(src)
@@ -231,7 +238,11 @@ class TensorDecoder:
     """Rebuilds the tensors of one message from its buffer frames, checking every descriptor and
     that each frame is used exactly once."""
 
-    def __init__(self, frames: Sequence[Any], first_frame_index: int = 0, device_map: DeviceMap = None):
+    def __init__(
+        self, frames: Sequence[Any], first_frame_index: int = 0, device_map: DeviceMap = None,
+        collected: list | None = None,
+    ):
+        self.collected = collected  # every tensor rebuilt, in order (see TensorEncoder)
         self._frames = frames
         self._first = first_frame_index
         self._used = [False] * len(frames)
@@ -242,10 +253,14 @@ class TensorDecoder:
             raise RemoteProtocolError(f"tensor descriptor must be a non-empty list, got {descriptor!r:.80}")
         kind = descriptor[0]
         if kind == DENSE:
-            return self._dense(descriptor)
-        if kind == SPARSE_COO:
-            return self._sparse(descriptor)
-        raise RemoteProtocolError(f"unknown tensor kind {kind!r:.40}")
+            tensor = self._dense(descriptor)
+        elif kind == SPARSE_COO:
+            tensor = self._sparse(descriptor)
+        else:
+            raise RemoteProtocolError(f"unknown tensor kind {kind!r:.40}")
+        if self.collected is not None:
+            self.collected.append(tensor)
+        return tensor
 
     def check_all_used(self) -> None:
         unused = [self._first + i for i, used in enumerate(self._used) if not used]

@@ -26,6 +26,8 @@ from .pool import ElasticPool
 from .rendezvous import Member, Rendezvous, advertise_address
 from .rref import RRef, RRefContext
 from .serialization import RpcCodec, decode_exception, encode_exception, encode_function, resolve_function
+from ..autograd import forward as autograd_forward
+from ..autograd.context import ContextContainer
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ REQUEST_TYPES = {
     MessageType.RREF_FORK_REQUEST: MessageType.RREF_ACK,
     MessageType.RREF_CHILD_ACCEPT: MessageType.RREF_ACK,
     MessageType.RREF_USER_DELETE: MessageType.RREF_ACK,
+    MessageType.FORWARD_AUTOGRAD_REQ: MessageType.FORWARD_AUTOGRAD_RESP,
+    MessageType.BACKWARD_AUTOGRAD_REQ: MessageType.BACKWARD_AUTOGRAD_RESP,
+    MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ: MessageType.CLEANUP_AUTOGRAD_CONTEXT_RESP,
 }
 RESPONSE_TYPES = frozenset({*REQUEST_TYPES.values(), MessageType.EXCEPTION})
 
@@ -101,6 +106,7 @@ class Agent:
         host = advertise_address(rendezvous.master_addr, options.advertise_address)
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}")
         self.rrefs = RRefContext(self)
+        self.autograd = ContextContainer(self.rank)  # distributed autograd contexts
         self.codec.add_extension(Extension(EXT_RREF, RRef, self.rrefs.encode, self.rrefs.decode))
         self.endpoint = Endpoint(
             str(self.rank),
@@ -185,6 +191,10 @@ class Agent:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict, got {type(kwargs).__qualname__}")
         payload = {"f": encode_function(function), "a": tuple(args or ()), "k": dict(kwargs or {})}
+        autograd = autograd_forward.request_metadata(self.autograd, message_type, function, args, kwargs)
+        if autograd is not None:
+            payload["ag"] = autograd
+            message_type = MessageType.FORWARD_AUTOGRAD_REQ
         timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
         future = _SyncSlot() if sync else torch.futures.Future()
         message_id = next(self._ids)
@@ -199,10 +209,15 @@ class Agent:
                 heapq.heappush(self._deadlines, (time.monotonic() + timeout, message_id))
                 self._deadline_changed.notify()
         try:
+            tensors: list = []
+            frames = self.codec.encode(message, tensors)
+            if autograd is not None:
+                autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
+            del tensors
             if info.id == self.rank:
-                self._call_self(message)
+                self.pool.submit(self._serve, self._loopback(frames))
             else:
-                self.endpoint.send(str(info.id), message)
+                self.endpoint.send_encoded(str(info.id), message_id, frames)
         except (TransportError, SerializationError) as exc:
             with self._lock:
                 self._take(message_id)
@@ -240,21 +255,30 @@ class Agent:
         return True
 
     def _decode_response(self, envelope: Envelope, to: WorkerInfo) -> tuple[Any, BaseException | None]:
+        tensors: list = []
         try:
-            payload = self.codec.decode_payload(envelope)
+            payload = self.codec.decode_payload(envelope, tensors)
         except Exception as exc:
             return None, SerializationError(f"cannot decode the response from {to}: {exc}")
-        if envelope.type is MessageType.EXCEPTION:
+        return self._response_value(Message(envelope.type, envelope.id, envelope.sender, payload, tensors), to)
+
+    def _response_value(self, message: Message, to: WorkerInfo) -> tuple[Any, BaseException | None]:
+        """A response's value or error; an answer that carries autograd metadata gets its
+        recv function first."""
+        payload = message.payload
+        if message.type is MessageType.EXCEPTION:
             return None, decode_exception(payload["exc"], repr(to))
+        if message.type is MessageType.FORWARD_AUTOGRAD_RESP:
+            try:
+                autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], to.id)
+            except Exception as exc:
+                return None, SerializationError(f"cannot record the autograd metadata of the response from {to}: {exc}")
         return payload["v"], None
 
-    def _loopback(self, message: Message) -> Message:
+    def _loopback(self, frames: list) -> Message:
         """A message to ourselves goes through the codec like any other, so that the receiver
         sees copies of its tensors, as it would from another worker."""
-        return self.codec.decode([bytearray(memoryview(f)) for f in self.codec.encode(message)])
-
-    def _call_self(self, message: Message) -> None:
-        self.pool.submit(self._serve, self._loopback(message))
+        return self.codec.decode([bytearray(memoryview(f)) for f in frames])
 
     # ------------------------------------------------------------------------- receiving
 
@@ -272,13 +296,21 @@ class Agent:
         self._serving.set()
 
     def _serve(self, message: Message) -> None:
-        """Run a call on a pool thread and send its result or exception back."""
+        """Run a call on a pool thread and send its result or exception back. A call recorded
+        by distributed autograd runs with its context current (nested calls carry it on)."""
         if not self._serving.is_set():
             self._serving.wait(self.endpoint.options.connect_timeout)
+        context = None
         try:
             payload = message.payload
+            if message.type is MessageType.FORWARD_AUTOGRAD_REQ:
+                context = autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], int(message.sender))
             function = resolve_function(payload["f"])
-            result = function(*payload["a"], **payload["k"])
+            previous = self.autograd.set_current(context)
+            try:
+                result = function(*payload["a"], **payload["k"])
+            finally:
+                self.autograd.set_current(previous)
             if getattr(function, "_wrapped_async_rpc_function", None) is not None:
                 if not isinstance(result, torch._C.Future):  # .then() returns the C++ base class
                     raise TypeError(
@@ -286,31 +318,49 @@ class Agent:
                         f"{type(result).__qualname__}, not a torch.futures.Future"
                     )
                 # Answer when the future completes; no thread waits for it meanwhile.
-                result.add_done_callback(lambda done: self._reply(message.sender, self._result_message(message, done)))
+                result.add_done_callback(lambda done: self._answer_with(message, done, context))
                 return
-            reply = Message(REQUEST_TYPES[message.type], message.id, str(self.rank), {"v": result})
         except Exception as exc:
-            reply = Message(MessageType.EXCEPTION, message.id, str(self.rank), {"exc": encode_exception(exc)})
-        self._reply(message.sender, reply)
+            self._reply(message, None, exc, context)
+            return
+        self._reply(message, result, None, context)
 
-    def _result_message(self, request: Message, done: torch.futures.Future) -> Message:
+    def _answer_with(self, request: Message, done: torch.futures.Future, context: Any) -> None:
         try:
-            return Message(REQUEST_TYPES[request.type], request.id, str(self.rank), {"v": done.value()})
+            value = done.value()
         except Exception as exc:
-            return Message(MessageType.EXCEPTION, request.id, str(self.rank), {"exc": encode_exception(exc)})
+            self._reply(request, None, exc, context)
+            return
+        self._reply(request, value, None, context)
 
-    def _reply(self, to: str, reply: Message) -> None:
+    def _reply(self, request: Message, value: Any, error: BaseException | None, context: Any) -> None:
+        """Send a call's result (or its error) back to the caller. The result of a call that
+        distributed autograd recorded is recorded too (its tensors may require grad)."""
+        to = request.sender
+        me = str(self.rank)
+        if error is not None:
+            reply = Message(MessageType.EXCEPTION, request.id, me, {"exc": encode_exception(error)})
+            context = None
+        elif context is not None:
+            metadata = autograd_forward.response_metadata(self.autograd, context)
+            reply = Message(MessageType.FORWARD_AUTOGRAD_RESP, request.id, me, {"v": value, "ag": metadata})
+        else:
+            reply = Message(REQUEST_TYPES[request.type], request.id, me, {"v": value})
         try:
-            if to == str(self.rank):
-                self._complete(self._loopback(reply))
+            tensors: list = []
+            frames = self.codec.encode(reply, tensors)
+            if context is not None:
+                autograd_forward.record_send(self.autograd, reply.payload["ag"], tensors, int(to))
+            del tensors
+            if to == me:
+                self._complete(self._loopback(frames))
             else:
-                self.endpoint.send(to, reply)
+                self.endpoint.send_encoded(to, reply.id, frames)
         except (LocalProtocolError, SerializationError) as exc:
             # The result itself cannot travel: the caller gets that as its error.
-            error = SerializationError(f"the result of the call could not be sent back: {exc}")
-            self._reply(to, Message(MessageType.EXCEPTION, reply.id, str(self.rank), {"exc": encode_exception(error)}))
+            self._reply(request, None, SerializationError(f"the result of the call could not be sent back: {exc}"), None)
         except TransportError as exc:
-            log.warning("%s: could not answer call %d from %s: %s", self.info, reply.id, to, exc)
+            log.warning("%s: could not answer call %d from %s: %s", self.info, request.id, to, exc)
 
     def _complete(self, message: Message) -> None:
         with self._lock:
@@ -318,10 +368,11 @@ class Agent:
         if pending is None:
             log.debug("%s: late or unknown response %d (timed out?)", self.info, message.id)
             return
-        if message.type is MessageType.EXCEPTION:
-            pending.future.set_exception(decode_exception(message.payload["exc"], repr(pending.to)))
+        value, error = self._response_value(message, pending.to)
+        if error is not None:
+            pending.future.set_exception(error)
         else:
-            pending.future.set_result(message.payload["v"])
+            pending.future.set_result(value)
 
     def _on_send_error(self, peer: str, message_id: int, error: Exception) -> None:
         with self._lock:

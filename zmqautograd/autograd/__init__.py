@@ -1,0 +1,25 @@
+"""Distributed autograd with the API and semantics of ``torch.distributed.autograd``.
+
+Port code by changing ``import torch.distributed.autograd as dist_autograd`` to
+``import zmqautograd.autograd as dist_autograd``.
+"""
+
+from .api import (
+    _current_context,
+    _get_debug_info,
+    _get_max_id,
+    _is_valid_context,
+    _new_context,
+    _release_context,
+    _retrieve_context,
+    backward,
+    context,
+    get_gradients,
+)
+from .context import DistAutogradContext
+
+__all__ = [
+    "context", "backward", "get_gradients", "DistAutogradContext",
+    "_new_context", "_release_context", "_retrieve_context", "_current_context", "_is_valid_context",
+    "_get_max_id", "_get_debug_info",
+]

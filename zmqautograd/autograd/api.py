@@ -1,0 +1,224 @@
+"""The public API, with the names and semantics of ``torch.distributed.autograd``, and the
+functions other workers call by RPC (gradient requests, context cleanup)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+import torch
+
+from transport import MessageType
+
+from ..rpc.errors import RpcError
+from .context import ContextContainer, DistAutogradContext
+from .engine import LOCAL_ROOT, Pass, Plan
+from .functions import RecvInfo
+
+log = logging.getLogger(__name__)
+
+_pass_lock = threading.Lock()  # creating and replacing a context's current pass
+
+
+def _agent() -> Any:
+    from ..rpc.api import _current
+
+    return _current()
+
+
+def _container() -> ContextContainer:
+    try:
+        return _agent().autograd
+    except RuntimeError as exc:
+        raise RpcError(f"distributed autograd needs RPC: {exc}") from None
+
+
+class context:
+    """``with context() as context_id:`` makes a new context current on this thread, and
+    releases it on every worker that took part when the block ends."""
+
+    def __enter__(self) -> int:
+        self.autograd_context = _new_context()
+        return self.autograd_context._context_id()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        context_id = self.autograd_context._context_id()
+        if _container().is_valid(context_id):
+            _release_context(context_id)
+        else:  # released meanwhile (by hand, or by a cleanup from a peer): not current any more
+            _container().remove(context_id)
+
+
+def _new_context() -> DistAutogradContext:
+    return _container().new_context()
+
+
+def _retrieve_context(context_id: int) -> DistAutogradContext:
+    return _container().retrieve(context_id)
+
+
+def _current_context() -> DistAutogradContext:
+    current = _container().current()
+    if current is None:
+        raise RpcError(
+            "Current thread doesn't have a valid autograd context. Please wrap your code using: "
+            "`with zmqautograd.autograd.context() as context_id` to generate a valid context"
+        )
+    return current
+
+
+def _is_valid_context(context_id: int) -> bool:
+    return _container().is_valid(context_id)
+
+
+def _get_max_id() -> int:
+    return _container().max_id()
+
+
+def _get_debug_info() -> dict[str, str]:
+    container = _container()
+    return {
+        "num_current_backward_passes": str(container.active_passes()),
+        "num_autograd_contexts": str(container.count()),
+    }
+
+
+def _release_context(context_id: int) -> None:
+    """Release a context here and, through cleanup messages, on every worker it reached."""
+    agent = _agent()
+    context = agent.autograd.remove(context_id)
+    if context is None:
+        raise RpcError(f"Could not find autograd context with id: {context_id}")
+    _send_cleanup(agent, context)
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """The gradients accumulated in this context on this worker, by leaf tensor."""
+    _check_context_id(context_id, "get_gradients")
+    return _container().retrieve(context_id).gradients()
+
+
+def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run the backward pass of ``roots`` (scalars) across every worker that took part in the
+    forward pass of this context. Gradients go to the context (see ``get_gradients``)."""
+    _check_context_id(context_id, "backward")
+    if not isinstance(roots, (list, tuple)) or not all(isinstance(r, torch.Tensor) for r in roots):
+        raise TypeError(
+            "backward(): incompatible function arguments: roots must be a list of tensors, "
+            f"got {type(roots).__qualname__}"
+        )
+    agent = _agent()
+    container: ContextContainer = agent.autograd
+    autograd_context = container.retrieve(context_id)
+    if not roots:
+        raise RpcError("No tensors provided for gradient computation.")
+    for root in roots:
+        if not root.requires_grad:
+            raise RpcError("requires_grad not set on root")
+        if root.numel() != 1:
+            raise RpcError(f"Tensor of shape {tuple(root.shape)} is not a scalar, all roots need to be scalar")
+        if root.grad_fn is None:
+            raise RpcError("Tensor does not have a valid gradient function.")
+    edges = [(root.grad_fn, root.output_nr) for root in roots]
+    with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"):
+        run = _start_pass(agent, autograd_context, container.new_message_id(), bool(retain_graph), edges)
+        run.deliver(LOCAL_ROOT, [torch.ones_like(root, memory_format=torch.preserve_format) for root in roots])
+        with agent.pool.blocking():  # a UDF calling backward must not hold up the pool
+            run.done.wait()
+
+
+def _check_context_id(context_id: Any, what: str) -> None:
+    if type(context_id) is not int:
+        raise TypeError(f"{what}(): incompatible function arguments: context_id must be an int, got {context_id!r:.40}")
+
+
+# ------------------------------------------------------------------------------ passes
+
+
+def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph: bool, local_edges: list | None) -> Pass:
+    """Make ``pass_id`` the context's pass on this worker (replacing a stale one)."""
+    roots: dict[Any, list] = {}
+    if local_edges:
+        roots[LOCAL_ROOT] = local_edges
+    for message_id, node in sorted(ctx._send_functions().items()):
+        roots[message_id] = [(node, slot) for slot in range(len(node.next_functions))]
+    key = tuple((k, tuple(v)) for k, v in roots.items())
+    cached = ctx.plan_cache
+    if cached is not None and cached[0] == key:
+        plan = cached[1]
+    else:
+        plan = Plan(roots)
+        ctx.plan_cache = (key, plan)
+    run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients)
+    with _pass_lock:
+        stale, ctx.current_pass = ctx.current_pass, run
+    if stale is not None:
+        stale.fail(RpcError(f"backward pass {stale.pass_id} was superseded by pass {pass_id}"))
+
+    def finished(_: Any) -> None:
+        with _pass_lock:
+            if ctx.current_pass is run:
+                ctx.current_pass = None
+
+    run.done.add_done_callback(finished)
+    return run
+
+
+def _send_gradients(info: RecvInfo, grads: list, run: Pass) -> torch.futures.Future:
+    """A recv function fired: send its gradients to the worker the tensors came from."""
+    agent = _agent()
+    args = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads)
+    return agent.call(info.from_worker, _backward_request, args, None, -1.0,
+                      message_type=MessageType.BACKWARD_AUTOGRAD_REQ)
+
+
+def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list) -> torch.futures.Future:
+    """On the worker that sent the tensors: the gradients for send function ``message_id``.
+    The first request of a pass is answered when this worker's pass is done; later ones at
+    once (the seeds' completion protocol)."""
+    agent = _agent()
+    ctx = agent.autograd.retrieve(context_id)
+    ctx.send_function(message_id)  # a clear error for an unknown message id
+    with _pass_lock:
+        run = ctx.current_pass
+        first = run is None or run.pass_id != pass_id
+    if first:
+        run = _start_pass(agent, ctx, pass_id, retain_graph, None)
+    run.deliver(message_id, list(grads))
+    if first:
+        return run.done
+    answered: torch.futures.Future = torch.futures.Future()
+    answered.set_result(None)
+    return answered
+
+
+_backward_request._wrapped_async_rpc_function = _backward_request
+
+
+def _cleanup_context(context_id: int) -> None:
+    """A peer released a context: release it here too, and pass it on (idempotent)."""
+    agent = _agent()
+    ctx = agent.autograd.remove(context_id)
+    if ctx is not None:
+        _send_cleanup(agent, ctx)
+
+
+def _send_cleanup(agent: Any, ctx: DistAutogradContext) -> None:
+    for worker in sorted(ctx._known_worker_ids()):
+        if worker == agent.rank:
+            continue
+        try:
+            sent = agent.call(worker, _cleanup_context, (ctx.context_id,), None, 0,
+                              message_type=MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
+        except RuntimeError as exc:
+            log.warning("could not release autograd context %d on worker %d: %s", ctx.context_id, worker, exc)
+            continue
+        sent.add_done_callback(lambda f, w=worker: _log_cleanup_failure(f, ctx.context_id, w))
+
+
+def _log_cleanup_failure(future: torch.futures.Future, context_id: int, worker: int) -> None:
+    try:
+        future.value()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not release autograd context %d on worker %d: %s", context_id, worker, exc)

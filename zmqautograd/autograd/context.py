@@ -1,0 +1,227 @@
+"""Distributed autograd contexts (the seeds' context.cpp and container.cpp).
+
+A context collects, for one forward/backward of a training step, the send and recv autograd
+functions recorded on this worker, the workers it talked to, and the gradients of this
+worker's leaves. Contexts live in one container per RPC session. Ids are
+``(worker_id << 48) + counter`` so every worker makes ids no other worker makes; autograd
+message ids (which pair a send function with the recv function on the other side) are made
+the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import torch
+
+from ..rpc.errors import RpcError
+
+MAX_AUTO_INCREMENT = (1 << 48) - 1
+
+
+class DistAutogradContext:
+    """One context on one worker. Thread-safe."""
+
+    def __init__(self, context_id: int):
+        self._id = context_id
+        self._lock = threading.Lock()
+        self._known_workers: set[int] = set()
+        self._sends: dict[int, Any] = {}  # autograd message id -> SendRpcBackward node
+        self._recvs: dict[int, Any] = {}  # autograd message id -> RecvRpcBackward node
+        self._grads: dict[torch.Tensor, torch.Tensor] = {}
+        self.released = False
+        # The backward pass in progress on this worker, and the cached plan (engine.py).
+        self.current_pass: Any = None
+        self.plan_cache: Any = None
+
+    # The seeds' accessors (used by tests and tools).
+
+    def _context_id(self) -> int:
+        return self._id
+
+    @property
+    def context_id(self) -> int:
+        return self._id
+
+    def _send_functions(self) -> dict[int, Any]:
+        with self._lock:
+            return dict(self._sends)
+
+    def _recv_functions(self) -> dict[int, Any]:
+        with self._lock:
+            return dict(self._recvs)
+
+    def _known_worker_ids(self) -> set[int]:
+        with self._lock:
+            return set(self._known_workers)
+
+    def __repr__(self) -> str:
+        return f"DistAutogradContext(id={self._id})"
+
+    # Recording (forward pass).
+
+    def add_known_worker(self, worker_id: int) -> None:
+        with self._lock:
+            self._known_workers.add(worker_id)
+
+    def add_send_function(self, message_id: int, node: Any) -> None:
+        with self._lock:
+            if message_id in self._sends:
+                raise RpcError(f"autograd message id {message_id} already has a send function")
+            self._sends[message_id] = node
+            self.plan_cache = None
+
+    def add_recv_function(self, message_id: int, node: Any) -> None:
+        with self._lock:
+            if message_id in self._recvs:
+                raise RpcError(f"autograd message id {message_id} already has a recv function")
+            self._recvs[message_id] = node
+
+    def send_function(self, message_id: int) -> Any:
+        with self._lock:
+            node = self._sends.get(message_id)
+        if node is None:
+            raise RpcError(f"Could not find send function for autograd message id: {message_id}")
+        return node
+
+    # Gradients (backward pass).
+
+    def accumulate_grad(self, variable: torch.Tensor, grad: torch.Tensor, may_steal: bool) -> None:
+        """Add ``grad`` to ``variable``'s gradient in this context, as AccumulateGrad does for
+        ``.grad``: the first gradient is kept as it is when nothing else references it
+        (``may_steal``) and it obeys the variable's layout, else it is copied; later ones are
+        summed out of place, so a gradient handed out by ``get_gradients`` never changes."""
+        with torch.no_grad(), self._lock:
+            old = self._grads.get(variable)
+            if old is None:
+                if not (may_steal and _obeys_layout(variable, grad)):
+                    grad = _clone_like(variable, grad)
+                self._grads[variable] = grad
+            elif old.is_sparse and not grad.is_sparse:
+                self._grads[variable] = grad + old
+            else:
+                self._grads[variable] = old + grad
+
+    def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            return dict(self._grads)
+
+
+def _obeys_layout(variable: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``grad`` can be stored as is (the rules of torch's AccumulateGrad)."""
+    if grad.is_sparse:
+        return grad._indices().is_contiguous() and grad._values().is_contiguous()
+    if grad.layout != torch.strided or variable.is_sparse:
+        return True
+    if _dense_non_overlapping(variable):
+        return grad.stride() == variable.stride()
+    return grad.is_contiguous()
+
+
+def _dense_non_overlapping(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory exactly, in some order of its dims."""
+    expected = 1
+    for dim in sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d))):
+        if t.size(dim) == 1:
+            continue
+        if t.stride(dim) != expected:
+            return False
+        expected *= t.size(dim)
+    return True
+
+
+def _clone_like(variable: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    if grad.is_sparse:
+        return grad.coalesce() if not grad.is_coalesced() else grad.clone()
+    if grad.layout == torch.strided and not variable.is_sparse and _dense_non_overlapping(variable) \
+            and grad.shape == variable.shape:
+        return torch.empty_strided(variable.shape, variable.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+class ContextContainer:
+    """Every context of this worker, and the context current on each thread."""
+
+    def __init__(self, worker_id: int):
+        if not 0 <= worker_id < (1 << 16):
+            raise ValueError(f"worker id must fit in 16 bits, got {worker_id}")
+        self.worker_id = worker_id
+        self._base = worker_id << 48
+        self._lock = threading.Lock()
+        self._contexts: dict[int, DistAutogradContext] = {}
+        self._context_counter = itertools.count(0)
+        self._message_counter = itertools.count(0)
+        self._local = threading.local()
+
+    def _next_id(self, counter: itertools.count, what: str) -> int:
+        value = next(counter)
+        if value > MAX_AUTO_INCREMENT:
+            raise RpcError(f"ran out of {what} ids on worker {self.worker_id}")
+        return self._base + value
+
+    def max_id(self) -> int:
+        return self._base + MAX_AUTO_INCREMENT
+
+    def new_message_id(self) -> int:
+        return self._next_id(self._message_counter, "autograd message")
+
+    # The current context of this thread.
+
+    def current(self) -> DistAutogradContext | None:
+        return getattr(self._local, "context", None)
+
+    def set_current(self, context: DistAutogradContext | None) -> DistAutogradContext | None:
+        previous = getattr(self._local, "context", None)
+        self._local.context = context
+        return previous
+
+    # Creating, finding and releasing.
+
+    def new_context(self) -> DistAutogradContext:
+        if self.current() is not None:
+            raise RpcError(f"Already have an autograd context id for this thread: {self.current().context_id}")
+        context = DistAutogradContext(self._next_id(self._context_counter, "autograd context"))
+        with self._lock:
+            self._contexts[context.context_id] = context
+        self._local.context = context
+        return context
+
+    def get_or_create(self, context_id: int) -> DistAutogradContext:
+        with self._lock:
+            context = self._contexts.get(context_id)
+            if context is None:
+                context = self._contexts[context_id] = DistAutogradContext(context_id)
+            return context
+
+    def retrieve(self, context_id: int) -> DistAutogradContext:
+        with self._lock:
+            context = self._contexts.get(context_id)
+        if context is None:
+            raise RpcError(f"Could not find autograd context with id: {context_id}")
+        return context
+
+    def is_valid(self, context_id: int) -> bool:
+        with self._lock:
+            return context_id in self._contexts
+
+    def remove(self, context_id: int) -> DistAutogradContext | None:
+        """Forget a context here (None if it is not here); clears it as current on this thread."""
+        with self._lock:
+            context = self._contexts.pop(context_id, None)
+        if context is not None:
+            context.released = True
+        current = self.current()
+        if current is not None and current.context_id == context_id:
+            self._local.context = None
+        return context
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._contexts)
+
+    def active_passes(self) -> int:
+        with self._lock:
+            contexts = list(self._contexts.values())
+        return sum(1 for c in contexts if c.current_pass is not None)

@@ -1,0 +1,404 @@
+"""The distributed backward pass on one worker (the seeds' dist_engine.cpp, FAST mode).
+
+On each worker, a pass over a context has as roots the local root (on the worker that called
+``backward``) and every send function recorded in the context. Every graph node runs at most
+once per pass, with the sum of what all roots deliver to it; a recv function sends its
+gradient to the worker it came from once everything that feeds it has run.
+
+The work between RPC boundaries runs in PyTorch's own engine, in *groups*:
+
+* Plan: walk the graph from the roots (stopping at leaves and recv functions) and label every
+  node with the set of roots that reach it (a bit mask). Nodes with the same mask form a
+  group; edges only go from a group to groups with larger masks, so groups form a DAG.
+* A group runs as one ``torch.autograd.grad`` call whose outputs are the gradient edges into
+  it (from its roots and from smaller groups) and whose inputs are the edges leaving it (into
+  leaves, recv functions and larger groups). Leaf gradients go to the context; edges into
+  larger groups add to their input buffers; recv gradients are sent once all feeders ran.
+* A group is ready when all its roots delivered and all groups feeding it ran. Whoever
+  delivers (the caller of ``backward``, or the RPC thread that received a gradient) runs
+  what became ready, so no thread ever waits for a remote answer inside the engine.
+
+One PyTorch rule shapes the plan: in a ``torch.autograd.grad`` call, a captured node that
+leads to another captured node runs. A group whose exits are chained that way is merged into
+the larger group it would otherwise run early (see ``_resolve_chained_exits``).
+
+Completion follows the seeds: the first gradient request of a pass on a worker is answered
+when that worker's whole pass is done and the requests it sent are answered; later ones at
+once. So ``backward`` returns when every worker is done, and an error anywhere comes back as
+``Error on Node N: ...``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.autograd.graph import GradientEdge
+
+from ..rpc.errors import RpcError
+from .context import DistAutogradContext
+from .functions import is_leaf_node, is_recv_node, recv_info
+
+log = logging.getLogger(__name__)
+
+LOCAL_ROOT = "local"
+
+Edge = tuple  # (node, input slot)
+
+
+@dataclass
+class _Group:
+    index: int
+    mask: int
+    nodes: list
+    captures: list = field(default_factory=list)  # edges leaving the group, deduplicated
+    feeders: set = field(default_factory=set)  # indices of groups with edges into this one
+
+
+@dataclass
+class _Exit:
+    """A leaf or recv function, and who must deliver to it before it is complete."""
+
+    node: Any
+    feeders: set = field(default_factory=set)  # group indices
+    direct_roots: int = 0  # mask of roots whose own edges point at it
+
+
+class Plan:
+    """Groups and exits for one set of roots. Built once per context and root set."""
+
+    def __init__(self, roots: dict[Any, list[Edge]]):
+        self.root_keys = list(roots)
+        self.root_bits = {key: 1 << i for i, key in enumerate(self.root_keys)}
+        self.roots = roots
+        nodes, successors = _discover(roots)
+        masks = self._masks(nodes, successors)
+        masks = _resolve_chained_exits(nodes, successors, masks)
+        self.group_of: dict[Any, int] = {}
+        self.groups: list[_Group] = []
+        by_mask: dict[int, _Group] = {}
+        for node in nodes:
+            if _is_exit(node):
+                continue
+            group = by_mask.get(masks[node])
+            if group is None:
+                group = by_mask[masks[node]] = _Group(len(self.groups), masks[node], [])
+                self.groups.append(group)
+            group.nodes.append(node)
+            self.group_of[node] = group.index
+        self.exits: dict[Any, _Exit] = {n: _Exit(n) for n in nodes if _is_exit(n)}
+        for group in self.groups:
+            seen = set()
+            for node in group.nodes:
+                for edge in successors[node]:
+                    target = edge[0]
+                    if target in self.exits:
+                        self.exits[target].feeders.add(group.index)
+                    elif self.group_of[target] != group.index:
+                        self.groups[self.group_of[target]].feeders.add(group.index)
+                    else:
+                        continue
+                    if edge not in seen:
+                        seen.add(edge)
+                        group.captures.append(edge)
+        for key, edges in roots.items():
+            for node, _ in edges:
+                if node in self.exits:
+                    self.exits[node].direct_roots |= self.root_bits[key]
+
+    def _masks(self, nodes: list, successors: dict) -> dict[Any, int]:
+        masks = {node: 0 for node in nodes}
+        for key, edges in self.roots.items():
+            for node, _ in edges:
+                masks[node] |= self.root_bits[key]
+        for node in nodes:  # topological order
+            for target, _ in successors.get(node, ()):
+                masks[target] |= masks[node]
+        return masks
+
+
+def _is_exit(node: Any) -> bool:
+    return is_leaf_node(node) or is_recv_node(node)
+
+
+def _discover(roots: dict[Any, list[Edge]]) -> tuple[list, dict]:
+    """All nodes reachable from the roots in topological order (parents first), and each
+    non-exit node's outgoing edges. Leaves and recv functions end the walk."""
+    successors: dict[Any, list[Edge]] = {}
+    indegree: dict[Any, int] = {}
+    stack = [node for edges in roots.values() for node, _ in edges]
+    for node in stack:
+        indegree.setdefault(node, 0)
+    while stack:
+        node = stack.pop()
+        if node in successors:
+            continue
+        edges = [] if _is_exit(node) else [(n, slot) for n, slot in node.next_functions if n is not None]
+        successors[node] = edges
+        for target, _ in edges:
+            if target not in indegree:
+                indegree[target] = 0
+                stack.append(target)
+    for edges in successors.values():
+        for target, _ in edges:
+            indegree[target] += 1
+    # Kahn's algorithm. A node counted once per edge (a node may use a tensor twice).
+    ready = [node for node, degree in indegree.items() if degree == 0]
+    order = []
+    while ready:
+        node = ready.pop()
+        order.append(node)
+        for target, _ in successors[node]:
+            indegree[target] -= 1
+            if indegree[target] == 0:
+                ready.append(target)
+    return order, successors
+
+
+def _resolve_chained_exits(nodes: list, successors: dict, masks: dict[Any, int]) -> dict[Any, int]:
+    """Merge groups whose captured edges chain (one target leads to another): PyTorch would
+    run the first target inside the group's call, with part of its gradient. The group is
+    merged into the larger one it feeds (its nodes then wait for that group's roots too)."""
+    while True:
+        by_mask: dict[int, list] = {}
+        for node in nodes:
+            if not _is_exit(node):
+                by_mask.setdefault(masks[node], []).append(node)
+        merge = None
+        for mask, members in by_mask.items():
+            targets = {t for n in members for t, _ in successors[n] if _is_exit(t) or masks[t] != mask}
+            inner = [t for t in targets if not _is_exit(t)]
+            for start in inner:
+                if _reaches_any(start, targets - {start}, successors):
+                    merge = (members, masks[start])
+                    break
+            if merge:
+                break
+        if merge is None:
+            return masks
+        members, extra = merge
+        stack = list(members)
+        while stack:  # the merged nodes and everything below them gain the larger mask
+            node = stack.pop()
+            if masks[node] | extra != masks[node]:
+                masks[node] |= extra
+                stack.extend(t for t, _ in successors.get(node, ()))
+
+
+def _reaches_any(start: Any, targets: set, successors: dict) -> bool:
+    seen = {start}
+    stack = [start]
+    while stack:
+        for target, _ in successors.get(stack.pop(), ()):
+            if target in targets:
+                return True
+            if target not in seen:
+                seen.add(target)
+                stack.append(target)
+    return False
+
+
+# ----------------------------------------------------------------------------- one pass
+
+
+class Pass:
+    """One backward pass over one context on this worker."""
+
+    def __init__(
+        self, context: DistAutogradContext, plan: Plan, pass_id: int, retain_graph: bool, worker_id: int,
+        send_gradients: Callable[[Any, list, "Pass"], torch.futures.Future],
+    ):
+        self.context = context
+        self.plan = plan
+        self.pass_id = pass_id
+        self.retain_graph = retain_graph
+        self.worker_id = worker_id
+        self._send_gradients = send_gradients
+        self._lock = threading.Lock()
+        self._delivered = 0  # mask of roots that delivered
+        self._buffers: list[dict] = [{} for _ in plan.groups]
+        self._waiting_feeders = [len(g.feeders) for g in plan.groups]
+        self._started = [False] * len(plan.groups)
+        self._exit_buffers: dict[Any, dict] = {}
+        self._exit_waiting = {
+            node: len(e.feeders) + bin(e.direct_roots).count("1") for node, e in plan.exits.items() if is_recv_node(node)
+        }
+        self._remaining = len(plan.groups) + len(self._exit_waiting)
+        self._outstanding = 0
+        self._error: BaseException | None = None
+        self.done = torch.futures.Future()  # all local work and every request we sent
+        self.node_runs = 0  # groups and recv functions run (tests count them)
+
+    # ------------------------------------------------------------------- delivering roots
+
+    def deliver(self, key: Any, grads: list) -> None:
+        """Root ``key`` delivers its gradients (one per root edge; None for none); then run
+        what became ready on this thread."""
+        plan = self.plan
+        bit = plan.root_bits.get(key)
+        if bit is None:
+            raise RpcError(f"backward pass {self.pass_id}: unknown root {key!r} for context {self.context.context_id}")
+        ready: list[int] = []
+        fire: list = []
+        with self._lock:
+            if self._delivered & bit:
+                raise RpcError(f"backward pass {self.pass_id}: root {key!r} delivered twice")
+            self._delivered |= bit
+            for (node, slot), grad in zip(plan.roots[key], grads):
+                if grad is None:
+                    continue
+                if node in plan.exits:
+                    self._add(self._exit_buffers.setdefault(node, {}), slot, grad)
+                else:
+                    self._add(self._buffers[plan.group_of[node]], (node, slot), grad)
+            for node, exit_ in plan.exits.items():
+                if exit_.direct_roots & bit and node in self._exit_waiting:
+                    self._exit_waiting[node] -= 1
+                    if self._exit_waiting[node] == 0:
+                        fire.append(node)
+            ready = self._ready_groups()
+        for node in fire:
+            self._fire_recv(node)
+        self._drain(ready)
+
+    @staticmethod
+    def _add(buffer: dict, key: Any, grad: torch.Tensor) -> None:
+        old = buffer.get(key)
+        buffer[key] = grad if old is None else (grad + old if old.is_sparse and not grad.is_sparse else old + grad)
+
+    def _ready_groups(self) -> list[int]:  # caller holds the lock
+        ready = []
+        for group in self.plan.groups:
+            i = group.index
+            if not self._started[i] and self._waiting_feeders[i] == 0 and group.mask & ~self._delivered == 0:
+                self._started[i] = True
+                ready.append(i)
+        return ready
+
+    # ------------------------------------------------------------------------ running
+
+    def _drain(self, ready: list[int]) -> None:
+        while ready and self._error is None:
+            index = ready.pop()
+            try:
+                more, fire = self._run_group(index)
+            except BaseException as exc:  # noqa: BLE001 - every error ends the pass
+                self.fail(exc)
+                return
+            ready.extend(more)
+            for node in fire:
+                self._fire_recv(node)
+
+    def _run_group(self, index: int) -> tuple[list[int], list]:
+        plan, group = self.plan, self.plan.groups[index]
+        with self._lock:
+            buffer, self._buffers[index] = self._buffers[index], {}
+        results: tuple = ()
+        if buffer and group.captures:
+            outputs = [GradientEdge(node, slot) for node, slot in buffer]
+            results = torch.autograd.grad(
+                outputs, [GradientEdge(node, slot) for node, slot in group.captures], list(buffer.values()),
+                retain_graph=self.retain_graph, allow_unused=True,
+            )
+        del buffer
+        aliased = _aliased(results)
+        fire = []
+        with self._lock:
+            self.node_runs += 1
+            for (target, slot), grad in zip(group.captures, results):
+                if grad is None:
+                    continue
+                if is_leaf_node(target):
+                    # Outside the lock would be nicer; the context has its own lock and
+                    # accumulating is cheap next to the group's backward.
+                    self.context.accumulate_grad(target.variable, grad, may_steal=id(grad) not in aliased and grad._use_count() <= 1)
+                elif is_recv_node(target):
+                    self._add(self._exit_buffers.setdefault(target, {}), slot, grad)
+                else:
+                    self._add(self._buffers[plan.group_of[target]], (target, slot), grad)
+            results = ()
+            for target in {t for t, _ in group.captures}:
+                if is_recv_node(target):
+                    self._exit_waiting[target] -= 1
+                    if self._exit_waiting[target] == 0:
+                        fire.append(target)
+            for other in plan.groups:
+                if index in other.feeders:
+                    self._waiting_feeders[other.index] -= 1
+            ready = self._ready_groups()
+            self._remaining -= 1
+            finished = self._remaining == 0 and self._outstanding == 0
+        if finished:
+            self._finish()
+        return ready, fire
+
+    def _fire_recv(self, node: Any) -> None:
+        """All gradients for a recv function are in: send them to the worker it came from."""
+        info = recv_info(node)
+        with self._lock:
+            buffer = self._exit_buffers.pop(node, {})
+            self._outstanding += 1
+            self.node_runs += 1
+        grads = [buffer.get(slot) for slot in range(len(info.metadata))]
+        del buffer
+        try:
+            with torch.autograd.profiler.record_function("torch::distributed::autograd::RecvRpcBackward"):
+                future = self._send_gradients(info, grads, self)
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(exc)
+            return
+        future.add_done_callback(self._request_done)
+        with self._lock:
+            self._remaining -= 1
+        self._maybe_finish()
+
+    def _request_done(self, future: torch.futures.Future) -> None:
+        try:
+            future.value()
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(exc)
+            return
+        with self._lock:
+            self._outstanding -= 1
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        with self._lock:
+            finished = self._remaining == 0 and self._outstanding == 0
+        if finished:
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self.done.done() or self._error is not None:
+                return
+            # Claim completion under the lock: two threads may see the last step at once.
+            self._error = _FINISHED
+        self.done.set_result(None)
+
+    def fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = exc
+        log.debug("backward pass %d of context %d failed on node %d: %s", self.pass_id, self.context.context_id, self.worker_id, exc)
+        self.done.set_exception(RpcError(f"Error on Node {self.worker_id}: {exc}"))
+
+
+_FINISHED = RpcError("finished")
+
+
+def _aliased(results: tuple) -> set[int]:
+    """Ids of gradients that are handed to more than one input (they must be copied)."""
+    counts: dict[int, int] = {}
+    for grad in results:
+        if grad is not None:
+            counts[id(grad)] = counts.get(id(grad), 0) + 1
+    return {key for key, count in counts.items() if count > 1}
+
+
+_pass_ids = itertools.count(1)

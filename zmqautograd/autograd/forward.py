@@ -1,0 +1,74 @@
+"""Recording the forward pass at RPC boundaries (the seeds' utils.cpp).
+
+The RPC agent calls these around every call and answer. While an autograd context is current,
+a call carries autograd metadata ``[context id, autograd message id]`` in its payload (and
+travels as FORWARD_AUTOGRAD_REQ) when any of its tensors requires grad, and always for Python
+functions, ``remote`` and ``to_here``: their answer may require grad even if the arguments
+do not. The sender records a SendRpcBackward over the tensors that require grad; the receiver
+joins the context and gives those tensors a RecvRpcBackward. Answers to such calls travel as
+FORWARD_AUTOGRAD_RESP and are recorded the same way in reverse.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from transport import MessageType
+
+from .context import ContextContainer, DistAutogradContext
+from .functions import attach_recv_node, make_send_node
+
+# Calls that may carry autograd metadata; the RPC layer's own control messages never do.
+RECORDED_CALLS = frozenset({MessageType.PYTHON_CALL, MessageType.PYTHON_REMOTE_CALL, MessageType.PYTHON_RREF_FETCH_CALL})
+_BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType, types.MethodDescriptorType,
+                  types.WrapperDescriptorType, types.MethodWrapperType)
+
+
+def request_metadata(container: ContextContainer, message_type: MessageType, function: Any, args: Any, kwargs: Any) -> list | None:
+    """The autograd metadata for a call about to be made, or None if it goes unrecorded."""
+    context = container.current()
+    if context is None or message_type not in RECORDED_CALLS:
+        return None
+    forced = message_type is not MessageType.PYTHON_CALL or not isinstance(function, _BUILTIN_TYPES)
+    if not forced and not _any_requires_grad(args) and not _any_requires_grad(kwargs):
+        return None  # a builtin on tensors that need no grad: nothing to record
+    return [context.context_id, container.new_message_id()]
+
+
+def response_metadata(container: ContextContainer, context: DistAutogradContext) -> list:
+    return [context.context_id, container.new_message_id()]
+
+
+def record_send(container: ContextContainer, metadata: list, tensors: list, to: int) -> None:
+    """After encoding a recorded message: a send function over what requires grad in it."""
+    context = container.get_or_create(metadata[0])
+    context.add_known_worker(to)
+    needing_grad = [t for t in tensors if t.requires_grad]
+    if needing_grad:
+        context.add_send_function(metadata[1], make_send_node(needing_grad))
+
+
+def record_recv(container: ContextContainer, metadata: Any, tensors: list, from_worker: int) -> DistAutogradContext:
+    """On receiving a recorded message: join its context and attach a recv function."""
+    if not isinstance(metadata, list) or len(metadata) != 2 or not all(type(v) is int for v in metadata):
+        raise ValueError(f"malformed autograd metadata {metadata!r:.80}")
+    context_id, message_id = metadata
+    context = container.get_or_create(context_id)
+    context.add_known_worker(from_worker)
+    needing_grad = [t for t in tensors if t.requires_grad]
+    if needing_grad:
+        context.add_recv_function(message_id, attach_recv_node(needing_grad, context_id, message_id, from_worker))
+    return context
+
+
+def _any_requires_grad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return any(_any_requires_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_any_requires_grad(v) for v in value.values())
+    return False

@@ -1,0 +1,106 @@
+"""The autograd functions at RPC boundaries (the seeds' SendRpcBackward / RecvRpcBackward).
+
+They are custom ``torch.autograd.Function``s only so that PyTorch makes real graph nodes for
+them: nodes with the right ``next_functions``, that PyTorch's engine can start from (a send
+function is a root of the backward pass) or stop at (a recv function is where gradients
+leave this worker), and that the profiler names. The distributed engine (engine.py) decides
+when they run; their ``backward`` is never where the RPC happens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_SEND_NAME = "torch::distributed::autograd::SendRpcBackward"
+_RECV_NAME = "torch::distributed::autograd::RecvRpcBackward"
+
+
+@dataclass(frozen=True)
+class RecvInfo:
+    """Where the gradients of a recv function go: the worker that sent the tensors, and the
+    autograd ids under which it recorded the matching send function."""
+
+    context_id: int
+    message_id: int
+    from_worker: int
+    # Shapes and dtypes of the received tensors, for the gradients of unused ones.
+    metadata: tuple
+
+
+class SendRpc(torch.autograd.Function):
+    """Identity whose node stands for "these tensors were sent": the gradients the receiver
+    sends back enter the local graph here."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        return grads
+
+
+class RecvRpc(torch.autograd.Function):
+    """The grad_fn of received tensors that require grad. ``anchor`` only makes the outputs
+    require grad (a node needs a differentiable input); the engine never runs this node: it
+    captures the gradient flowing into it and sends it to ``from_worker``."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, info: RecvInfo, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.recv_info = info
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        # Reached only by a *local* backward (tensor.backward()) through received tensors:
+        # gradients stop at the RPC boundary there, as they would at any tensor that does
+        # not require grad.
+        return (None, None) + tuple(None for _ in grads)
+
+
+# PyTorch names Python-function nodes after their class; the seeds (and their tests) use the
+# C++ names.
+SendRpc._backward_cls.name = lambda self: _SEND_NAME
+RecvRpc._backward_cls.name = lambda self: _RECV_NAME
+SEND_NODE_TYPE = SendRpc._backward_cls
+RECV_NODE_TYPE = RecvRpc._backward_cls
+
+
+def is_recv_node(node: Any) -> bool:
+    return type(node) is RECV_NODE_TYPE
+
+
+def is_leaf_node(node: Any) -> bool:
+    return type(node).__name__ == "AccumulateGrad"
+
+
+def make_send_node(tensors: list[torch.Tensor]) -> Any:
+    """A SendRpcBackward node whose next functions are the edges of ``tensors`` (which all
+    require grad)."""
+    with torch.enable_grad():
+        outputs = SendRpc.apply(*tensors)
+    return outputs[0].grad_fn
+
+
+def attach_recv_node(tensors: list[torch.Tensor], context_id: int, message_id: int, from_worker: int) -> Any:
+    """Make a RecvRpcBackward node the grad_fn of ``tensors`` (received, requiring grad), in
+    place: the payload the tensors came in already refers to these tensor objects (possibly
+    from inside unpickled objects), so their contents are swapped, not the objects."""
+    metadata = tuple((t.shape, t.dtype, t.device, t.layout) for t in tensors)
+    info = RecvInfo(context_id, message_id, from_worker, metadata)
+    plain = [t.detach() for t in tensors]
+    anchor = torch.empty(0, requires_grad=True)
+    with torch.enable_grad():
+        outputs = RecvRpc.apply(anchor, info, *plain)
+    for received, output in zip(tensors, outputs):
+        torch.utils.swap_tensors(received, output)
+    return tensors[0].grad_fn
+
+
+def recv_info(node: Any) -> RecvInfo:
+    return node.recv_info
