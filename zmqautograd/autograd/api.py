@@ -125,7 +125,8 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         run = _start_pass(agent, autograd_context, container.new_message_id(), bool(retain_graph), edges)
         run.deliver(LOCAL_ROOT, [torch.ones_like(root, memory_format=torch.preserve_format) for root in roots])
         with agent.pool.blocking():  # a UDF calling backward must not hold up the pool
-            run.done.wait()
+            run.run_at_home()
+        run.done.wait()
 
 
 def _check_context_id(context_id: Any, what: str) -> None:
@@ -150,7 +151,7 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
     else:
         plan = Plan(roots)
         ctx.plan_cache = (key, plan)
-    run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients)
+    run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients, home=local_edges is not None)
     with _pass_lock:
         stale, ctx.current_pass = ctx.current_pass, run
     if stale is not None:

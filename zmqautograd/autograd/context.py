@@ -150,6 +150,7 @@ class ContextContainer:
         self.worker_id = worker_id
         self._base = worker_id << 48
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
         self._contexts: dict[int, DistAutogradContext] = {}
         self._context_counter = itertools.count(0)
         self._message_counter = itertools.count(0)
@@ -210,12 +211,24 @@ class ContextContainer:
         """Forget a context here (None if it is not here); clears it as current on this thread."""
         with self._lock:
             context = self._contexts.pop(context_id, None)
+            self._released.notify_all()
         if context is not None:
             context.released = True
         current = self.current()
         if current is not None and current.context_id == context_id:
             self._local.context = None
         return context
+
+    def wait_released(self, context_ids: set[int] | None, timeout: float) -> bool:
+        """Wait until none of ``context_ids`` (None: no context at all) is here any more;
+        False if some still is after ``timeout`` seconds."""
+        def gone() -> bool:
+            if context_ids is None:
+                return not self._contexts
+            return not any(c in self._contexts for c in context_ids)
+
+        with self._lock:
+            return self._released.wait_for(gone, timeout)
 
     def count(self) -> int:
         with self._lock:

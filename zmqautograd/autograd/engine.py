@@ -19,8 +19,13 @@ The work between RPC boundaries runs in PyTorch's own engine, in *groups*:
   what became ready, so no thread ever waits for a remote answer inside the engine.
 
 One PyTorch rule shapes the plan: in a ``torch.autograd.grad`` call, a captured node that
-leads to another captured node runs. A group whose exits are chained that way is merged into
-the larger group it would otherwise run early (see ``_resolve_chained_exits``).
+leads to another captured node runs. A group whose exits are chained that way (a node of a
+larger group leads to another exit of the group) cannot run as one call without running that
+node early, with part of its gradient; such a group runs *stepwise*: its nodes are called one
+by one from Python in topological order (see ``_chained``). Stepwise nodes keep their saved
+tensors until the graph is freed, and hooks registered on those nodes do not run; leaf hooks
+do. Merging the group into the larger one instead would deadlock when the larger group's
+other root depends on this group's recv functions (a nested call's answer, say).
 
 Completion follows the seeds: the first gradient request of a pass on a worker is answered
 when that worker's whole pass is done and the requests it sent are answered; later ones at
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -57,6 +63,7 @@ class _Group:
     nodes: list
     captures: list = field(default_factory=list)  # edges leaving the group, deduplicated
     feeders: set = field(default_factory=set)  # indices of groups with edges into this one
+    stepwise: bool = False  # its exits chain: run node by node (see the module docstring)
 
 
 @dataclass
@@ -77,7 +84,7 @@ class Plan:
         self.roots = roots
         nodes, successors = _discover(roots)
         masks = self._masks(nodes, successors)
-        masks = _resolve_chained_exits(nodes, successors, masks)
+        self.successors = successors
         self.group_of: dict[Any, int] = {}
         self.groups: list[_Group] = []
         by_mask: dict[int, _Group] = {}
@@ -109,6 +116,8 @@ class Plan:
             for node, _ in edges:
                 if node in self.exits:
                     self.exits[node].direct_roots |= self.root_bits[key]
+        for group in self.groups:
+            group.stepwise = _chained(group, successors)
 
     def _masks(self, nodes: list, successors: dict) -> dict[Any, int]:
         masks = {node: 0 for node in nodes}
@@ -159,34 +168,10 @@ def _discover(roots: dict[Any, list[Edge]]) -> tuple[list, dict]:
     return order, successors
 
 
-def _resolve_chained_exits(nodes: list, successors: dict, masks: dict[Any, int]) -> dict[Any, int]:
-    """Merge groups whose captured edges chain (one target leads to another): PyTorch would
-    run the first target inside the group's call, with part of its gradient. The group is
-    merged into the larger one it feeds (its nodes then wait for that group's roots too)."""
-    while True:
-        by_mask: dict[int, list] = {}
-        for node in nodes:
-            if not _is_exit(node):
-                by_mask.setdefault(masks[node], []).append(node)
-        merge = None
-        for mask, members in by_mask.items():
-            targets = {t for n in members for t, _ in successors[n] if _is_exit(t) or masks[t] != mask}
-            inner = [t for t in targets if not _is_exit(t)]
-            for start in inner:
-                if _reaches_any(start, targets - {start}, successors):
-                    merge = (members, masks[start])
-                    break
-            if merge:
-                break
-        if merge is None:
-            return masks
-        members, extra = merge
-        stack = list(members)
-        while stack:  # the merged nodes and everything below them gain the larger mask
-            node = stack.pop()
-            if masks[node] | extra != masks[node]:
-                masks[node] |= extra
-                stack.extend(t for t, _ in successors.get(node, ()))
+def _chained(group: _Group, successors: dict) -> bool:
+    """Whether one of the group's exit targets (a node of a larger group) leads to another."""
+    targets = {target for target, _ in group.captures}
+    return any(not _is_exit(t) and _reaches_any(t, targets - {t}, successors) for t in targets)
 
 
 def _reaches_any(start: Any, targets: set, successors: dict) -> bool:
@@ -210,7 +195,7 @@ class Pass:
 
     def __init__(
         self, context: DistAutogradContext, plan: Plan, pass_id: int, retain_graph: bool, worker_id: int,
-        send_gradients: Callable[[Any, list, "Pass"], torch.futures.Future],
+        send_gradients: Callable[[Any, list, "Pass"], torch.futures.Future], home: bool = False,
     ):
         self.context = context
         self.plan = plan
@@ -232,6 +217,13 @@ class Pass:
         self._error: BaseException | None = None
         self.done = torch.futures.Future()  # all local work and every request we sent
         self.node_runs = 0  # groups and recv functions run (tests count them)
+        # The caller of backward() runs its pass's work itself (``run_at_home``): its
+        # thread-local state (the profiler, grad mode) then applies, as torch's engine
+        # carries the graph task's thread-local state to its worker threads.
+        self._home = threading.get_ident() if home else None
+        self._home_queue: queue.SimpleQueue | None = queue.SimpleQueue() if home else None
+        if home:
+            self.done.add_done_callback(lambda _: self._home_queue.put(None))
 
     # ------------------------------------------------------------------- delivering roots
 
@@ -261,9 +253,24 @@ class Pass:
                     if self._exit_waiting[node] == 0:
                         fire.append(node)
             ready = self._ready_groups()
+        if self._home is not None and threading.get_ident() != self._home:
+            self._home_queue.put((ready, fire))
+            return
         for node in fire:
             self._fire_recv(node)
         self._drain(ready)
+
+    def run_at_home(self) -> None:
+        """On the caller's thread: run the work other threads hand over, until the pass is
+        done (its ``done`` future then holds the outcome)."""
+        while True:
+            item = self._home_queue.get()
+            if item is None:
+                return
+            ready, fire = item
+            for node in fire:
+                self._fire_recv(node)
+            self._drain(ready)
 
     @staticmethod
     def _add(buffer: dict, key: Any, grad: torch.Tensor) -> None:
@@ -299,11 +306,14 @@ class Pass:
             buffer, self._buffers[index] = self._buffers[index], {}
         results: tuple = ()
         if buffer and group.captures:
-            outputs = [GradientEdge(node, slot) for node, slot in buffer]
-            results = torch.autograd.grad(
-                outputs, [GradientEdge(node, slot) for node, slot in group.captures], list(buffer.values()),
-                retain_graph=self.retain_graph, allow_unused=True,
-            )
+            if group.stepwise:
+                results = _run_stepwise(group, buffer, plan.successors)
+            else:
+                outputs = [GradientEdge(node, slot) for node, slot in buffer]
+                results = torch.autograd.grad(
+                    outputs, [GradientEdge(node, slot) for node, slot in group.captures], list(buffer.values()),
+                    retain_graph=self.retain_graph, allow_unused=True,
+                )
         del buffer
         aliased = _aliased(results)
         fire = []
@@ -390,6 +400,38 @@ class Pass:
 
 
 _FINISHED = RpcError("finished")
+
+
+def _run_stepwise(group: _Group, entries: dict, successors: dict) -> tuple:
+    """Run a group's nodes one by one (topological order), each with the sum of its inputs;
+    the gradients of its captured edges, in ``group.captures`` order."""
+    members = set(group.nodes)
+    inputs: dict[Any, dict[int, torch.Tensor]] = {}
+    for (node, slot), grad in entries.items():
+        inputs.setdefault(node, {})[slot] = grad
+    captured: dict[Edge, torch.Tensor] = {}
+    for node in group.nodes:
+        given = inputs.pop(node, None)
+        if not given:
+            continue
+        arity = len(node._input_metadata) if hasattr(node, "_input_metadata") else max(given) + 1
+        args = [given.get(slot) for slot in range(arity)]
+        with torch.no_grad():
+            outputs = node.apply(*args) if hasattr(node, "_forward_cls") else node(*args)
+        if not isinstance(outputs, (tuple, list)):
+            outputs = (outputs,)
+        for (target, slot), grad in zip(node.next_functions, outputs):
+            if target is None or grad is None:
+                continue
+            if target in members:
+                Pass._add(inputs.setdefault(target, {}), slot, grad)
+            else:
+                if is_leaf_node(target):
+                    for hook in getattr(target.variable, "_backward_hooks", {}).values():
+                        changed = hook(grad)
+                        grad = grad if changed is None else changed
+                Pass._add(captured, (target, slot), grad)
+    return tuple(captured.get(edge) for edge in group.captures)
 
 
 def _aliased(results: tuple) -> set[int]:

@@ -1,0 +1,204 @@
+"""Run SPMD test cases (every rank runs the same test body, as torch's dist_autograd_test.py
+does) in real worker processes that stay up across tests.
+
+The pytest process only coordinates: it starts ``world_size`` worker processes, each of which
+joins a gloo process group (for ``dist.barrier()``) and the RPC group, then runs test bodies
+on command and reports the outcome. After every test each worker checks that it holds no
+autograd context any more (a leak fails the test). A test that kills workers or leaves
+them hung runs in a group of its own that is torn down afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any
+
+LEAK_WAIT = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name: str, options: dict, conn) -> None:
+    import torch.distributed as dist
+
+    import zmqautograd.autograd as dist_autograd
+    import zmqautograd.rpc as rpc
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=world_size)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rpc_port}", **options))
+        module = importlib.import_module(module_name)
+        conn.send(("ready", None))
+    except BaseException:  # noqa: BLE001
+        conn.send(("error", traceback.format_exc()))
+        return
+    default_timeout = rpc._get_rpc_timeout()
+    while True:
+        command = conn.recv()
+        if command is None:
+            break
+        class_name, test_name, destructive = command
+        module.reset_state()
+        rpc._set_rpc_timeout(default_timeout)
+        try:
+            case = getattr(module, class_name)(rank, world_size)
+            getattr(case, test_name)()
+            outcome = ("ok", None)
+        except SystemExit as exc:  # upstream tests may end their process on purpose
+            outcome = ("ok", None) if exc.code in (0, None) else ("error", traceback.format_exc())
+        except BaseException:  # noqa: BLE001
+            outcome = ("error", traceback.format_exc())
+        if destructive:  # torch's dist_init(clean_shutdown=False): leave without shutdown
+            conn.send(outcome)
+            os._exit(0)
+        if outcome[0] == "ok":
+            container = rpc.api._current().autograd
+            if not container.wait_released(None, LEAK_WAIT):
+                outcome = ("error", f"rank {rank}: {container.count()} autograd context(s) left after the test")
+        dist.barrier()
+        conn.send(outcome)
+    rpc.shutdown()
+    dist.destroy_process_group()
+    del dist_autograd
+
+
+class SpmdGroup:
+    def __init__(self, module_name: str, world_size: int = 4, **options: Any):
+        self.world_size = world_size
+        self.module_name = module_name
+        ctx = mp.get_context("spawn")
+        pg_port, rpc_port = _free_port(), _free_port()
+        self.conns = []
+        self.processes = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=_worker, args=(rank, world_size, pg_port, rpc_port, module_name, options, child), daemon=True)
+            process.start()
+            self.conns.append(parent)
+            self.processes.append(process)
+        for rank, conn in enumerate(self.conns):
+            status, detail = self._receive(rank, conn, 120)
+            if status != "ready":
+                self.kill()
+                raise RuntimeError(f"worker {rank} failed to start:\n{detail}")
+
+    def _receive(self, rank: int, conn, timeout: float) -> tuple[str, Any]:
+        if not conn.poll(timeout):
+            alive = self.processes[rank].is_alive()
+            return "error", f"rank {rank}: no answer within {timeout} s (process {'alive' if alive else 'dead'})"
+        try:
+            return conn.recv()
+        except EOFError:
+            return "error", f"rank {rank}: process exited (code {self.processes[rank].exitcode})"
+
+    def run(self, class_name: str, test_name: str, timeout: float = 120, destructive: bool = False) -> None:
+        for conn in self.conns:
+            conn.send((class_name, test_name, destructive))
+        failures = []
+        for rank, conn in enumerate(self.conns):
+            status, detail = self._receive(rank, conn, timeout)
+            if status != "ok":
+                failures.append(f"--- rank {rank}:\n{detail}")
+        if failures:
+            raise AssertionError(f"{class_name}.{test_name} failed:\n" + "\n".join(failures))
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for process in self.processes:
+            process.join(30)
+        self.kill()
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+
+
+# ------------------------------------------------------------------- pytest integration
+
+
+def group_fixture(module_name: str, **options: Any):
+    """A module-scoped pytest fixture: (get, broken) for one shared group, started lazily
+    and replaced after a test left it unusable."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def shared_group():
+        state: dict = {"group": None}
+
+        def get() -> SpmdGroup:
+            if state["group"] is None:
+                state["group"] = SpmdGroup(module_name, 4, **options)
+            return state["group"]
+
+        def broken() -> None:
+            if state["group"] is not None:
+                state["group"].kill()
+                state["group"] = None
+
+        yield get, broken
+        if state["group"] is not None:
+            state["group"].close()
+
+    return shared_group
+
+
+def make_tests(cases_module: Any, classes: list[str], **options: Any) -> dict:
+    """One pytest test per ``test_*`` method of ``classes``, named as the method. Methods
+    marked ``_gpus`` skip without that many CUDA devices; ``_destructive`` ones get a group
+    of their own."""
+    tests = {}
+    for class_name in classes:
+        klass = getattr(cases_module, class_name)
+        for name in dir(klass):
+            if name.startswith("test_") and callable(getattr(klass, name)):
+                assert name not in tests, f"duplicate test name {name}"
+                tests[name] = _make_test(cases_module.__name__, class_name, name, getattr(klass, name), options)
+    return tests
+
+
+def _make_test(module_name: str, class_name: str, name: str, function: Any, options: dict):
+    import pytest
+    import torch
+
+    gpus = getattr(function, "_gpus", 0)
+    destructive = getattr(function, "_destructive", False)
+    gap = getattr(function, "_known_gap", None)
+
+    def test(shared_group):
+        if gpus and (torch.cuda.device_count() if torch.cuda.is_available() else 0) < gpus:
+            pytest.skip(f"needs {gpus} CUDA device(s)")
+        if destructive:
+            group = SpmdGroup(module_name, 4, **options)
+            try:
+                group.run(class_name, name, destructive=True)
+            finally:
+                group.kill()
+            return
+        get, broken = shared_group
+        try:
+            get().run(class_name, name)
+        except AssertionError as exc:
+            if "no answer" in str(exc) or "process exited" in str(exc):
+                broken()
+            raise
+
+    test.__name__ = test.__qualname__ = name
+    test.__doc__ = f"{class_name}.{name}"
+    if gap:
+        test = pytest.mark.xfail(reason=gap, strict=True, raises=AssertionError)(test)
+    return test
