@@ -1,0 +1,73 @@
+"""Functions the distributed autograd graph tests run on worker processes."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import zmqautograd.rpc as rpc
+
+_counts: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+class Counted(torch.autograd.Function):
+    """Identity whose backward counts its runs under ``tag`` (on the worker that ran it)."""
+
+    @staticmethod
+    def forward(ctx, x, tag):
+        ctx.tag = tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _lock:
+            _counts[ctx.tag] = _counts.get(ctx.tag, 0) + 1
+        return grad, None
+
+
+def take_counts() -> dict[str, int]:
+    with _lock:
+        counts = dict(_counts)
+        _counts.clear()
+    return counts
+
+
+_stages: dict[str, torch.nn.Module] = {}
+
+
+def make_stage(name: str, seed: int, width: int) -> None:
+    torch.manual_seed(seed)
+    _stages[name] = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+
+
+def stage_state(name: str) -> dict:
+    return {k: v.detach().clone() for k, v in _stages[name].state_dict().items()}
+
+
+def run_stage(name: str, x: torch.Tensor) -> torch.Tensor:
+    return Counted.apply(_stages[name](Counted.apply(x, f"{name}.in")), f"{name}.out")
+
+
+def pipeline(x: torch.Tensor, names: list, workers: list) -> torch.Tensor:
+    """Stage i on workers[i]; each stage calls the next one itself (a chain of nested calls)."""
+    y = run_stage(names[0], x)
+    if len(names) == 1:
+        return y
+    return rpc.rpc_sync(workers[1], pipeline, args=(y, names[1:], workers[1:]))
+
+
+def stage_grads(name: str, context_id: int) -> list:
+    import zmqautograd.autograd as dist_autograd
+
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads.get(p) for p in _stages[name].parameters()]
+
+
+def scale(x: torch.Tensor, factor: float, tag: str) -> torch.Tensor:
+    return Counted.apply(x * factor, tag).sin()
+
+
+def combine(a: torch.Tensor, b: torch.Tensor, tag: str) -> torch.Tensor:
+    return Counted.apply(a * b + a, tag)
