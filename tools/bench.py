@@ -1,6 +1,6 @@
-"""zmqautograd.rpc next to torch.distributed.rpc (TensorPipe), in one run.
+"""zmqautograd next to torch.distributed.rpc (TensorPipe) + torch.distributed.autograd, in one run.
 
-Two processes join both RPC frameworks at once (they are independent), and every workload is
+Four processes join both RPC frameworks at once (they are independent), and every workload is
 measured alternately, round by round, on one then the other, so that both see the same
 machine noise. Prints medians and ratios (zmqautograd / TensorPipe: below 1 is better for
 times, above 1 for throughput).
@@ -22,10 +22,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")  # torch's numpy and c10d chatter; nothing here depends on it
 
 import torch  # noqa: E402
+import torch.distributed.autograd as tp_autograd  # noqa: E402
 import torch.distributed.rpc as tp_rpc  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+import zmqautograd.autograd as zmq_autograd  # noqa: E402
 import zmqautograd.rpc as zmq_rpc  # noqa: E402
+
+WORLD = 4
+WIDTH = 64
+_weight: torch.Tensor | None = None
+
+
+def stage(x: torch.Tensor) -> torch.Tensor:
+    """One pipeline stage; its weight lives on the worker that runs it."""
+    global _weight
+    if _weight is None:
+        _weight = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    return torch.tanh(x @ _weight)
 
 
 def identity(value):
@@ -62,29 +76,57 @@ def big_round_trip(rpc, tensor: torch.Tensor) -> float:
     return elapsed
 
 
+def one_hop_backward(rpc, autograd, per_round: int) -> float:
+    """Forward of a small op on another worker, then the distributed backward of it."""
+    x = torch.ones(2, requires_grad=True)
+    start = time.perf_counter()
+    for _ in range(per_round):
+        with autograd.context() as context_id:
+            y = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))
+            autograd.backward(context_id, [y.sum()])
+            assert autograd.get_gradients(context_id)[x][0] == 2
+    return (time.perf_counter() - start) / per_round
+
+
+def pipeline_step(rpc, autograd, per_round: int) -> float:
+    """A 4-stage pipeline (stage 0 here, stages 1-3 on the other workers): forward, then the
+    distributed backward through every stage."""
+    x = torch.randn(32, WIDTH, requires_grad=True)
+    start = time.perf_counter()
+    for _ in range(per_round):
+        with autograd.context() as context_id:
+            h = stage(x)
+            for worker in ("worker1", "worker2", "worker3"):
+                h = rpc.rpc_sync(worker, stage, args=(h,))
+            autograd.backward(context_id, [h.sum()])
+    return (time.perf_counter() - start) / per_round
+
+
 def run(rank: int, tp_port: int, zmq_port: int, rounds: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(tp_port)
-    tp_rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+    tp_rpc.init_rpc(f"worker{rank}", rank=rank, world_size=WORLD,
                     rpc_backend_options=tp_rpc.TensorPipeRpcBackendOptions(num_worker_threads=16))
-    zmq_rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+    zmq_rpc.init_rpc(f"worker{rank}", rank=rank, world_size=WORLD,
                      rpc_backend_options=zmq_rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{zmq_port}"))
     if rank == 0:
-        frameworks = {"TensorPipe": tp_rpc, "zmqautograd": zmq_rpc}
+        frameworks = {"TensorPipe": (tp_rpc, tp_autograd), "zmqautograd": (zmq_rpc, zmq_autograd)}
         big = torch.randn(4 << 20)  # 16 MiB
         workloads = [
-            ("rpc_sync latency, small", "us", 1e6, lambda rpc: small_latency(rpc, 200), "time"),
-            ("rpc_async throughput, 64 in flight", "calls/s", 1, lambda rpc: async_throughput(rpc, 10), "rate"),
-            ("16 MiB round trip", "ms", 1e3, lambda rpc: big_round_trip(rpc, big), "time"),
+            ("rpc_sync latency, small", "us", 1e6, lambda rpc, _: small_latency(rpc, 200), "time"),
+            ("rpc_async throughput, 64 in flight", "calls/s", 1, lambda rpc, _: async_throughput(rpc, 10), "rate"),
+            ("16 MiB round trip", "ms", 1e3, lambda rpc, _: big_round_trip(rpc, big), "time"),
+            ("dist autograd: one hop fwd+bwd", "us", 1e6, lambda rpc, ag: one_hop_backward(rpc, ag, 50), "time"),
+            ("dist autograd: 4-stage pipeline step", "us", 1e6, lambda rpc, ag: pipeline_step(rpc, ag, 20), "time"),
         ]
         print(f"{'workload':<38}{'TensorPipe':>14}{'zmqautograd':>14}{'ratio':>8}", flush=True)
         for title, unit, scale, measure, kind in workloads:
-            for rpc in frameworks.values():
-                measure(rpc)  # warm-up
+            for rpc, autograd in frameworks.values():
+                measure(rpc, autograd)  # warm-up
             samples = {name: [] for name in frameworks}
             for _ in range(rounds):
-                for name, rpc in frameworks.items():
-                    samples[name].append(measure(rpc))
+                for name, (rpc, autograd) in frameworks.items():
+                    samples[name].append(measure(rpc, autograd))
             tp, ours = (statistics.median(samples[n]) for n in frameworks)
             print(f"{title:<38}{tp * scale:>10.0f} {unit:<4}{ours * scale:>9.0f} {unit:<4}{ours / tp:>6.2f}x", flush=True)
     zmq_rpc.shutdown()
@@ -95,7 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    mp.spawn(run, args=(_free_port(), _free_port(), args.rounds), nprocs=2)
+    mp.spawn(run, args=(_free_port(), _free_port(), args.rounds), nprocs=WORLD)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,12 @@
-"""Demo: data-parallel training over zmqautograd.rpc, a driver and 3 worker processes on loopback.
+"""Demo: a model split over 3 worker processes, trained from a driver with distributed
+autograd and the DistributedOptimizer, on loopback.
 
-Each worker holds its own shard of a synthetic regression data set. Every step, the driver
-sends the current weights to all workers with ``rpc_async``; each computes the loss and the
-gradients of a small MLP on a batch of its shard (plain local autograd) and returns them; the
-driver averages the gradients and takes an SGD step. It prints the loss falling and the steps
-per second, then checks the model against held-out data.
-
-(Distributed autograd, where the backward pass itself runs across workers, comes with the next
-layer; this demo uses RPC only.)
+Worker i holds stage i of an MLP (built there with ``rpc.remote``). Every step the driver
+sends a batch through the three stages (``rref.rpc_sync().forward``), computes the loss, runs
+``dist_autograd.backward``, which carries the backward pass back through all three workers,
+and steps the ``DistributedOptimizer``, which updates each stage's parameters on its own
+worker with that step's gradients. It prints the loss falling and the steps per second, then
+checks the model against held-out data.
 
     python tools/demo.py [--steps 300]          # all four processes on this machine
     RANK=r WORLD_SIZE=4 MASTER_ADDR=host MASTER_PORT=29500 python tools/demo.py   # one of them
@@ -28,71 +27,70 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy")
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+import zmqautograd.autograd as dist_autograd  # noqa: E402
 import zmqautograd.rpc as rpc  # noqa: E402
+from zmqautograd.optim import DistributedOptimizer  # noqa: E402
 
 WORKERS = 3
 WORLD = WORKERS + 1
 IN, HIDDEN, OUT = 16, 64, 1
-
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+SIZES = [(IN, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, OUT)]
 
 
 def make_data(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same hidden function for everyone; each seed draws different points."""
+    """The same hidden function for every draw; each seed draws different points."""
     w = torch.randn(IN, generator=torch.Generator().manual_seed(99))
     x = torch.randn(n, IN, generator=torch.Generator().manual_seed(seed))
     return x, torch.sin(x @ w / 2).unsqueeze(1)
 
 
-# ----------------------------------------------------------------------- on the workers
+class Stage(torch.nn.Module):
+    """One stage of the model; lives on a worker."""
 
-_shard: tuple[torch.Tensor, torch.Tensor] | None = None
-_model: torch.nn.Module | None = None
+    def __init__(self, index: int):
+        super().__init__()
+        torch.manual_seed(index)
+        fan_in, fan_out = SIZES[index]
+        self.linear = torch.nn.Linear(fan_in, fan_out)
+        self.last = index == len(SIZES) - 1
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return y if self.last else torch.tanh(y)
 
-def compute_gradients(state: dict, step: int, batch: int) -> tuple[float, list[torch.Tensor]]:
-    """Loss and gradients of the model with weights ``state`` on a batch of this worker's shard."""
-    global _shard, _model
-    if _shard is None:
-        _shard = make_data(rpc.get_worker_info().id, 4096)
-        _model = make_model()
-    _model.load_state_dict(state)
-    x, y = _shard
-    index = torch.arange(step * batch, (step + 1) * batch) % x.shape[0]
-    _model.zero_grad()
-    loss = torch.nn.functional.mse_loss(_model(x[index]), y[index])
-    loss.backward()
-    return loss.item(), [p.grad for p in _model.parameters()]
+    def parameter_rrefs(self) -> list:
+        return [rpc.RRef(p) for p in self.parameters()]
 
 
 # ------------------------------------------------------------------------------ driver
 
 
 def train(steps: int, batch: int, init_method: str) -> None:
-    model = make_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    workers = [f"worker{r}" for r in range(1, WORKERS + 1)]
-    print(f"driver + {WORKERS} workers over zmqautograd.rpc ({init_method}); batch {batch} per worker\n")
+    stages = [rpc.remote(f"worker{i + 1}", Stage, args=(i,)) for i in range(WORKERS)]
+    params = [p for stage in stages for p in stage.rpc_sync().parameter_rrefs()]
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.05, momentum=0.9)
+    x_all, y_all = make_data(0, 8192)
+    print(f"driver + {WORKERS} workers, one model stage each, distributed autograd over zmqautograd "
+          f"({init_method}); batch {batch}\n")
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        for stage in stages:
+            x = stage.rpc_sync().forward(x)
+        return x
+
     started = last_time = time.perf_counter()
     last_step = 0
     for step in range(steps):
-        state = model.state_dict()
-        futures = [rpc.rpc_async(w, compute_gradients, args=(state, step, batch)) for w in workers]
-        results = torch.futures.wait_all(futures)
-        optimizer.zero_grad()
-        for parameter, *grads in zip(model.parameters(), *(g for _, g in results)):
-            parameter.grad = torch.stack(grads).mean(0)
-        optimizer.step()
-        loss = sum(l for l, _ in results) / len(results)
+        index = torch.arange(step * batch, (step + 1) * batch) % x_all.shape[0]
+        with dist_autograd.context() as context_id:
+            loss = torch.nn.functional.mse_loss(model(x_all[index]), y_all[index])
+            dist_autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
         if step % 50 == 0 or step == steps - 1:
             now = time.perf_counter()
             rate = (step + 1 - last_step) / (now - last_time)  # over the steps since the last line
             last_time, last_step = now, step + 1
-            print(f"step {step:4d}  loss {loss:.5f}  {rate:6.1f} steps/s", flush=True)
+            print(f"step {step:4d}  loss {loss.item():.5f}  {rate:6.1f} steps/s", flush=True)
     x, y = make_data(10_000, 2048)
     with torch.no_grad():
         held_out = torch.nn.functional.mse_loss(model(x), y).item()
