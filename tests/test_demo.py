@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.timeout(180)
 def test_demo_trains_over_rpc():
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "demo.py"), "--steps", "150"],
+        [sys.executable, os.path.join(ROOT, "tools", "demo.py"), "--steps", "250"],
         capture_output=True, text=True, timeout=170,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -31,7 +31,7 @@ def test_demo_as_separate_processes_joined_by_env(tmp_path):
         port = s.getsockname()[1]
     processes = [
         subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tools", "demo.py"), "--steps", "120"],
+            [sys.executable, os.path.join(ROOT, "tools", "demo.py"), "--steps", "250"],
             env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )

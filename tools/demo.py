@@ -68,7 +68,7 @@ class Stage(torch.nn.Module):
 def train(steps: int, batch: int, init_method: str) -> None:
     stages = [rpc.remote(f"worker{i + 1}", Stage, args=(i,)) for i in range(WORKERS)]
     params = [p for stage in stages for p in stage.rpc_sync().parameter_rrefs()]
-    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.05, momentum=0.9)
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.1, momentum=0.9)
     x_all, y_all = make_data(0, 8192)
     print(f"driver + {WORKERS} workers, one model stage each, distributed autograd over zmqautograd "
           f"({init_method}); batch {batch}\n")

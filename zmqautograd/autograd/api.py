@@ -19,6 +19,7 @@ from .functions import RecvInfo
 log = logging.getLogger(__name__)
 
 _pass_lock = threading.Lock()  # creating and replacing a context's current pass
+_running: dict[int, Pass] = {}  # passes started by backward() on this process
 
 
 def _agent() -> Any:
@@ -152,6 +153,9 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
         plan = Plan(roots)
         ctx.plan_cache = (key, plan)
     run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients, home=local_edges is not None)
+    if local_edges is not None:  # passes this worker started, by id (found even if the context is gone)
+        _running[pass_id] = run
+        run.done.add_done_callback(lambda _: _running.pop(pass_id, None))
     with _pass_lock:
         stale, ctx.current_pass = ctx.current_pass, run
     if stale is not None:
@@ -166,10 +170,14 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
     return run
 
 
-def _send_gradients(info: RecvInfo, grads: list, run: Pass) -> torch.futures.Future:
-    """A recv function fired: send its gradients to the worker the tensors came from."""
+def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool) -> torch.futures.Future | None:
+    """A recv function fired: send its gradients to the worker the tensors came from (one-way
+    when ``run`` does not wait for the answer)."""
     agent = _agent()
     args = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads)
+    if not awaited:
+        agent.notify(info.from_worker, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ)
+        return None
     return agent.call(info.from_worker, _backward_request, args, None, -1.0,
                       message_type=MessageType.BACKWARD_AUTOGRAD_REQ)
 
@@ -179,14 +187,22 @@ def _backward_request(context_id: int, message_id: int, pass_id: int, retain_gra
     The first request of a pass is answered when this worker's pass is done; later ones at
     once (the seeds' completion protocol)."""
     agent = _agent()
-    ctx = agent.autograd.retrieve(context_id)
-    ctx.send_function(message_id)  # a clear error for an unknown message id
-    with _pass_lock:
-        run = ctx.current_pass
-        first = run is None or run.pass_id != pass_id
-    if first:
-        run = _start_pass(agent, ctx, pass_id, retain_graph, None)
-    run.deliver(message_id, list(grads))
+    try:
+        ctx = agent.autograd.retrieve(context_id)
+        ctx.send_function(message_id)  # a clear error for an unknown message id
+        with _pass_lock:
+            run = ctx.current_pass
+            first = run is None or run.pass_id != pass_id
+        if first:
+            run = _start_pass(agent, ctx, pass_id, retain_graph, None)
+        run.deliver(message_id, list(grads))
+    except Exception as exc:
+        # The sender does not wait for this answer when we started the pass (see engine.py):
+        # our own pass must fail instead of waiting for gradients that will not come.
+        own = _running.get(pass_id)
+        if own is not None:
+            own.fail(exc)
+        raise
     if first:
         return run.done
     answered: torch.futures.Future = torch.futures.Future()
@@ -197,20 +213,20 @@ def _backward_request(context_id: int, message_id: int, pass_id: int, retain_gra
 _backward_request._wrapped_async_rpc_function = _backward_request
 
 
-def _cleanup_context(context_id: int) -> None:
+def _cleanup_context(context_id: int, from_worker: int = -1) -> None:
     """A peer released a context: release it here too, and pass it on (idempotent)."""
     agent = _agent()
     ctx = agent.autograd.remove(context_id)
     if ctx is not None:
-        _send_cleanup(agent, ctx)
+        _send_cleanup(agent, ctx, skip=from_worker)
 
 
-def _send_cleanup(agent: Any, ctx: DistAutogradContext) -> None:
+def _send_cleanup(agent: Any, ctx: DistAutogradContext, skip: int = -1) -> None:
     for worker in sorted(ctx._known_worker_ids()):
-        if worker == agent.rank:
+        if worker in (agent.rank, skip):  # not back to whoever told us
             continue
         try:
-            sent = agent.call(worker, _cleanup_context, (ctx.context_id,), None, 0,
+            sent = agent.call(worker, _cleanup_context, (ctx.context_id, agent.rank), None, 0,
                               message_type=MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
         except RuntimeError as exc:
             log.warning("could not release autograd context %d on worker %d: %s", ctx.context_id, worker, exc)

@@ -30,7 +30,11 @@ other root depends on this group's recv functions (a nested call's answer, say).
 Completion follows the seeds: the first gradient request of a pass on a worker is answered
 when that worker's whole pass is done and the requests it sent are answered; later ones at
 once. So ``backward`` returns when every worker is done, and an error anywhere comes back as
-``Error on Node N: ...``.
+``Error on Node N: ...``. One shortcut: a worker does not wait for the answer to gradients it
+sends to the pass's *originator* (the worker that called ``backward``): the originator waits
+for its own work anyway, and fails its own pass if such a request fails there. Those go as
+one-way messages, which saves a round trip on every path that leads back to the caller (all
+of them, in a driver-orchestrated pipeline).
 """
 
 from __future__ import annotations
@@ -195,13 +199,14 @@ class Pass:
 
     def __init__(
         self, context: DistAutogradContext, plan: Plan, pass_id: int, retain_graph: bool, worker_id: int,
-        send_gradients: Callable[[Any, list, "Pass"], torch.futures.Future], home: bool = False,
+        send_gradients: Callable[[Any, list, "Pass", bool], torch.futures.Future | None], home: bool = False,
     ):
         self.context = context
         self.plan = plan
         self.pass_id = pass_id
         self.retain_graph = retain_graph
         self.worker_id = worker_id
+        self.originator = pass_id >> 48  # pass ids are made like context ids
         self._send_gradients = send_gradients
         self._lock = threading.Lock()
         self._delivered = 0  # mask of roots that delivered
@@ -349,19 +354,21 @@ class Pass:
     def _fire_recv(self, node: Any) -> None:
         """All gradients for a recv function are in: send them to the worker it came from."""
         info = recv_info(node)
+        awaited = info.from_worker == self.worker_id or info.from_worker != self.originator
         with self._lock:
             buffer = self._exit_buffers.pop(node, {})
-            self._outstanding += 1
+            self._outstanding += awaited
             self.node_runs += 1
         grads = [buffer.get(slot) for slot in range(len(info.metadata))]
         del buffer
         try:
             with torch.autograd.profiler.record_function("torch::distributed::autograd::RecvRpcBackward"):
-                future = self._send_gradients(info, grads, self)
+                future = self._send_gradients(info, grads, self, awaited)
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
             return
-        future.add_done_callback(self._request_done)
+        if future is not None:
+            future.add_done_callback(self._request_done)
         with self._lock:
             self._remaining -= 1
         self._maybe_finish()

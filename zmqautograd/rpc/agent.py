@@ -224,6 +224,22 @@ class Agent:
             raise _with_context(exc, f"cannot send a call to {info}") from None
         return future
 
+    def notify(self, to: Any, function: Callable, args: Any, message_type: MessageType) -> None:
+        """A one-way call: it runs on ``to`` and is never answered (its errors are logged
+        there). Raises only when it cannot be sent. For protocols that learn the outcome
+        another way (distributed autograd's gradients to the pass's originator)."""
+        info = self.worker_info(to)
+        payload = {"f": encode_function(function), "a": tuple(args or ()), "k": {}, "n": 1}
+        message = Message(message_type, next(self._ids), str(self.rank), payload)
+        try:
+            frames = self.codec.encode(message)
+            if info.id == self.rank:
+                self.pool.submit(self._serve, self._loopback(frames))
+            else:
+                self.endpoint.send_encoded(str(info.id), message.id, frames)
+        except (TransportError, SerializationError) as exc:
+            raise _with_context(exc, f"cannot send a one-way call to {info}") from None
+
     def call_sync(
         self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float,
         message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
@@ -338,6 +354,10 @@ class Agent:
         distributed autograd recorded is recorded too (its tensors may require grad)."""
         to = request.sender
         me = str(self.rank)
+        if request.payload.get("n"):  # one-way (notify): nobody waits for an answer
+            if error is not None:
+                log.warning("%s: one-way %s from %s failed: %s", self.info, request.type.name, to, error)
+            return
         if error is not None:
             reply = Message(MessageType.EXCEPTION, request.id, me, {"exc": encode_exception(error)})
             context = None
