@@ -49,6 +49,7 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
         class_name, test_name, destructive = command
         module.reset_state()
         rpc._set_rpc_timeout(default_timeout)
+        dist.barrier()  # nobody calls into a rank before it has reset its state for this test
         try:
             case = getattr(module, class_name)(rank, world_size)
             getattr(case, test_name)()
