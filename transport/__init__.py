@@ -5,9 +5,11 @@ It knows frames and tensors, not RPC.
 """
 
 from .codec import PROTOCOL_VERSION, Codec, Envelope, Extension, Message, MessageType
+from .faults import FaultPolicy
 from .errors import (
     DeviceMapError,
     EndpointClosedError,
+    InjectedFaultError,
     LocalProtocolError,
     MessageTooLargeError,
     PeerError,
@@ -19,8 +21,8 @@ from .errors import (
 )
 
 __all__ = [
-    "PROTOCOL_VERSION", "Codec", "Envelope", "Extension", "Message", "MessageType",
-    "DeviceMapError", "EndpointClosedError", "LocalProtocolError", "MessageTooLargeError",
+    "PROTOCOL_VERSION", "FaultPolicy", "Codec", "Envelope", "Extension", "Message", "MessageType",
+    "DeviceMapError", "EndpointClosedError", "InjectedFaultError", "LocalProtocolError", "MessageTooLargeError",
     "PeerError", "PeerLostError", "ProtocolError", "RemoteProtocolError", "TransportError",
     "UnknownPeerError",
 ]

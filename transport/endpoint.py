@@ -40,6 +40,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from .codec import Codec, Envelope, Message, MessageType
+from . import faults
+from .faults import FaultPolicy
 from .errors import (
     DeviceMapError,
     EndpointClosedError,
@@ -142,6 +144,8 @@ class Endpoint:
             (it then decodes the payload itself, with ``codec.decode_payload``). For routing a
             response straight to the thread that waits for it. It must be quick and must not
             block or run user code.
+        faults: a :class:`~transport.faults.FaultPolicy` applied to what is sent (and, for
+            partitions, received): fault-injection runs and tests.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class Endpoint:
         options: EndpointOptions | None = None,
         executor: Callable[..., None] | None = None,
         on_envelope: Callable[[str, Envelope], bool] | None = None,
+        faults: FaultPolicy | None = None,
     ):
         if not identity or len(identity.encode()) > 255 or identity.startswith("\0"):
             raise ValueError(f"invalid endpoint identity {identity!r}")
@@ -167,6 +172,7 @@ class Endpoint:
         self._on_send_error = on_send_error
         self._executor = executor
         self._on_envelope = on_envelope
+        self.faults = faults
         self._identity_bytes = identity.encode()
 
         self._lock = threading.Lock()  # guards the peer table, outbox hand-over and closing
@@ -255,11 +261,31 @@ class Endpoint:
         cannot be sent, LocalProtocolError when it cannot be encoded. Tensors of 64 KiB and
         more are sent without a copy: do not modify them until the peer has answered.
         """
-        self.send_encoded(peer, message.id, self.codec.encode(message))
+        self.send_encoded(peer, message.id, self.codec.encode(message), message.type)
 
-    def send_encoded(self, peer: str, message_id: int, frames: list) -> None:
+    def send_encoded(self, peer: str, message_id: int, frames: list, message_type: MessageType | None = None) -> None:
         """``send`` for a message already encoded with this endpoint's codec (a layer that
-        must see the message's tensors before it commits to sending it)."""
+        must see the message's tensors before it commits to sending it). ``message_type``
+        selects the faults to inject, if any."""
+        if self.faults is None or message_type is None:
+            self._enqueue(peer, message_id, frames)
+            return
+        self._check_open()
+        if peer not in self._peers:  # a clear error first, whatever the faults
+            raise UnknownPeerError(peer, f"{self.identity}: unknown peer {peer!r}")
+        faults.apply(self.faults, peer, message_type, lambda: self._enqueue(peer, message_id, frames), self.identity,
+                     deliver_late=lambda: self._send_late(peer, message_id, frames))
+
+    def _send_late(self, peer: str, message_id: int, frames: list) -> None:
+        """Enqueue, reporting failure through ``on_send_error`` (fault injection may call
+        this after ``send`` returned)."""
+        try:
+            self._enqueue(peer, message_id, frames)
+        except TransportError as exc:
+            if self._on_send_error is not None:
+                self._on_send_error(peer, message_id, exc)
+
+    def _enqueue(self, peer: str, message_id: int, frames: list) -> None:
         nbytes = _frames_nbytes(frames)
         with self._lock:
             self._check_open()
@@ -541,6 +567,8 @@ class Endpoint:
         except ProtocolError as exc:
             self._protocol_error(routing_id, peer, None, exc)
             return
+        if self.faults is not None and self.faults.is_partitioned(peer):
+            return  # injected partition: nothing gets through, heartbeats included
         record = self._peers.get(peer)
         stats = self._stats.get(peer)
         if envelope.type is MessageType.HELLO:

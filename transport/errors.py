@@ -46,6 +46,10 @@ class PeerLostError(PeerError):
     """The peer is gone: its process died, its connection broke, or it missed heartbeats."""
 
 
+class InjectedFaultError(PeerError):
+    """A send failed on purpose: fault injection (``transport.faults``) asked for it."""
+
+
 class EndpointClosedError(TransportError):
     """The endpoint was used after ``close()``."""
 

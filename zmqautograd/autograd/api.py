@@ -226,8 +226,8 @@ def _send_cleanup(agent: Any, ctx: DistAutogradContext, skip: int = -1) -> None:
         if worker in (agent.rank, skip):  # not back to whoever told us
             continue
         try:
-            sent = agent.call(worker, _cleanup_context, (ctx.context_id, agent.rank), None, 0,
-                              message_type=MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
+            sent = agent.call_retrying(worker, _cleanup_context, (ctx.context_id, agent.rank),
+                                       MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
         except RuntimeError as exc:
             log.warning("could not release autograd context %d on worker %d: %s", ctx.context_id, worker, exc)
             continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import deque
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from ..rpc.errors import RpcError
 
 MAX_AUTO_INCREMENT = (1 << 48) - 1
+MAX_TOMBSTONES = 100_000  # released context ids remembered (8 bytes or so each)
 
 
 class DistAutogradContext:
@@ -152,6 +154,11 @@ class ContextContainer:
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)
         self._contexts: dict[int, DistAutogradContext] = {}
+        # Recently released ids: a message of a released context that arrives late (a
+        # remote()'s acknowledgement after its to_here(), a call overtaken by the cleanup)
+        # must not bring the context back, where nothing would release it again.
+        self._tombstones: set[int] = set()
+        self._tombstone_order: deque = deque()
         self._context_counter = itertools.count(0)
         self._message_counter = itertools.count(0)
         self._local = threading.local()
@@ -189,12 +196,19 @@ class ContextContainer:
         self._local.context = context
         return context
 
-    def get_or_create(self, context_id: int) -> DistAutogradContext:
+    def get_or_create(self, context_id: int) -> DistAutogradContext | None:
+        """The context, made on first contact; None if it was released here already."""
         with self._lock:
             context = self._contexts.get(context_id)
             if context is None:
+                if context_id in self._tombstones:
+                    return None
                 context = self._contexts[context_id] = DistAutogradContext(context_id)
             return context
+
+    def get(self, context_id: int) -> DistAutogradContext | None:
+        with self._lock:
+            return self._contexts.get(context_id)
 
     def retrieve(self, context_id: int) -> DistAutogradContext:
         with self._lock:
@@ -211,6 +225,11 @@ class ContextContainer:
         """Forget a context here (None if it is not here); clears it as current on this thread."""
         with self._lock:
             context = self._contexts.pop(context_id, None)
+            if context_id not in self._tombstones:
+                self._tombstones.add(context_id)
+                self._tombstone_order.append(context_id)
+                if len(self._tombstone_order) > MAX_TOMBSTONES:
+                    self._tombstones.discard(self._tombstone_order.popleft())
             self._released.notify_all()
         if context is not None:
             context.released = True

@@ -44,19 +44,27 @@ def response_metadata(container: ContextContainer, context: DistAutogradContext)
 
 def record_send(container: ContextContainer, metadata: list, tensors: list, to: int) -> None:
     """After encoding a recorded message: a send function over what requires grad in it."""
-    context = container.get_or_create(metadata[0])
+    context = container.get(metadata[0])
+    if context is None:  # released meanwhile: nothing will run a backward pass in it
+        return
     context.add_known_worker(to)
     needing_grad = [t for t in tensors if t.requires_grad]
     if needing_grad:
         context.add_send_function(metadata[1], make_send_node(needing_grad))
 
 
-def record_recv(container: ContextContainer, metadata: Any, tensors: list, from_worker: int) -> DistAutogradContext:
-    """On receiving a recorded message: join its context and attach a recv function."""
+def record_recv(container: ContextContainer, metadata: Any, tensors: list, from_worker: int,
+                response: bool = False) -> DistAutogradContext | None:
+    """On receiving a recorded message: join its context and attach a recv function. A
+    request joins (makes) the context; a response only records into a context that still
+    exists here. None when the context was released here (the message is then served
+    without recording)."""
     if not isinstance(metadata, list) or len(metadata) != 2 or not all(type(v) is int for v in metadata):
         raise ValueError(f"malformed autograd metadata {metadata!r:.80}")
     context_id, message_id = metadata
-    context = container.get_or_create(context_id)
+    context = container.get(context_id) if response else container.get_or_create(context_id)
+    if context is None:
+        return None
     context.add_known_worker(from_worker)
     needing_grad = [t for t in tensors if t.requires_grad]
     if needing_grad:

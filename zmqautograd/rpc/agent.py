@@ -17,11 +17,15 @@ from typing import Any, Callable
 
 import torch
 
-from transport import Envelope, Extension, LocalProtocolError, Message, MessageType, PeerLostError, TransportError
+from transport import (
+    EndpointClosedError, Envelope, Extension, FaultPolicy, InjectedFaultError, LocalProtocolError, Message, MessageType,
+    PeerLostError, TransportError, UnknownPeerError,
+)
+from transport import faults as transport_faults
 from transport.endpoint import Endpoint, EndpointOptions
 
 from .errors import RpcError, RpcTimeoutError, SerializationError
-from .options import UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
+from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 from .pool import ElasticPool
 from .rendezvous import Member, Rendezvous, advertise_address
 from .rref import RRef, RRefContext
@@ -49,6 +53,11 @@ REQUEST_TYPES = {
     MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ: MessageType.CLEANUP_AUTOGRAD_CONTEXT_RESP,
 }
 RESPONSE_TYPES = frozenset({*REQUEST_TYPES.values(), MessageType.EXCEPTION})
+# Control messages whose receivers are idempotent: retried with backoff when they fail.
+RETRYABLE_TYPES = frozenset({
+    MessageType.RREF_FORK_REQUEST, MessageType.RREF_CHILD_ACCEPT, MessageType.RREF_USER_DELETE,
+    MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ,
+})
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,7 @@ class Agent:
             # response to rpc_sync straight to the thread that waits for it.
             executor=self.pool.submit,
             on_envelope=self._route_to_waiter,
+            faults=FaultPolicy.from_env(options.fault_options()),
         )
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
@@ -137,6 +147,7 @@ class Agent:
         self._serving = threading.Event()
         self._arrivals: dict[int, torch.futures.Future] = {}  # the leader's shutdown barrier
         self._barrier_ids: set[int] = set()  # our own pending barrier call
+        self._retrying = 0  # retryable control messages not settled yet (call_retrying)
         self._timer = threading.Thread(target=self._expire_loop, name=f"rpc-timeouts-{name}", daemon=True)
         self._timer.start()
         try:
@@ -214,15 +225,72 @@ class Agent:
             if autograd is not None:
                 autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
             del tensors
-            if info.id == self.rank:
-                self.pool.submit(self._serve, self._loopback(frames))
-            else:
-                self.endpoint.send_encoded(str(info.id), message_id, frames)
+            self._transmit(info, message, frames)
         except (TransportError, SerializationError) as exc:
             with self._lock:
                 self._take(message_id)
             raise _with_context(exc, f"cannot send a call to {info}") from None
         return future
+
+    def _transmit(self, info: WorkerInfo, message: Message, frames: list) -> None:
+        """Hand an encoded request to the transport, or to our own pool for a self call
+        (fault injection applies to both, as in torch's faulty agent)."""
+        if info.id != self.rank:
+            self.endpoint.send_encoded(str(info.id), message.id, frames, message.type)
+            return
+        transport_faults.apply(self.endpoint.faults, str(self.rank), message.type,
+                               lambda: self.pool.submit(self._serve, self._loopback(frames)), str(self.rank))
+
+    def call_retrying(self, to: Any, function: Callable, args: Any, message_type: MessageType) -> torch.futures.Future:
+        """A call of a retryable control message: when it fails to be sent or its answer is
+        lost (timeout), it is sent again after ``retry_delay``, then ``retry_backoff`` times
+        longer each time, up to ``max_retries`` more times. Only for idempotent receivers.
+        A lost peer or an error raised by the function itself is final."""
+        result: torch.futures.Future = torch.futures.Future()
+        options = self.options
+        with self._lock:  # graceful shutdown waits for these too, between tries included
+            self._retrying += 1
+
+        def settle(_: Any) -> None:
+            with self._lock:
+                self._retrying -= 1
+                self._all_done.notify_all()
+
+        result.add_done_callback(settle)
+        attempt_timeout = self.default_timeout if self.default_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
+
+        def attempt(number: int) -> None:
+            try:
+                sent = self.call(to, function, args, None, attempt_timeout, message_type=message_type)
+            except Exception as exc:  # noqa: BLE001
+                retry_or_fail(number, exc)
+                return
+            sent.add_done_callback(lambda done: finished(number, done))
+
+        def finished(number: int, done: torch.futures.Future) -> None:
+            try:
+                value = done.value()
+            except Exception as exc:  # noqa: BLE001
+                retry_or_fail(number, exc)
+                return
+            result.set_result(value)
+
+        def retry_or_fail(number: int, exc: Exception) -> None:
+            retryable = isinstance(exc, (InjectedFaultError, RpcTimeoutError)) or (
+                isinstance(exc, TransportError)
+                and not isinstance(exc, (PeerLostError, UnknownPeerError, EndpointClosedError))
+            )
+            if not retryable or number >= options.max_retries or self._stopping:
+                result.set_exception(exc)
+                return
+            delay = options.retry_delay * options.retry_backoff ** number
+            log.debug("%s: retrying %s to %s in %.2f s: %s", self.info, message_type.name, to, delay, exc)
+            timer = threading.Timer(delay, attempt, args=(number + 1,))
+            timer.daemon = True
+            timer.start()
+
+        attempt(0)
+        return result
 
     def notify(self, to: Any, function: Callable, args: Any, message_type: MessageType) -> None:
         """A one-way call: it runs on ``to`` and is never answered (its errors are logged
@@ -232,11 +300,7 @@ class Agent:
         payload = {"f": encode_function(function), "a": tuple(args or ()), "k": {}, "n": 1}
         message = Message(message_type, next(self._ids), str(self.rank), payload)
         try:
-            frames = self.codec.encode(message)
-            if info.id == self.rank:
-                self.pool.submit(self._serve, self._loopback(frames))
-            else:
-                self.endpoint.send_encoded(str(info.id), message.id, frames)
+            self._transmit(info, message, self.codec.encode(message))
         except (TransportError, SerializationError) as exc:
             raise _with_context(exc, f"cannot send a one-way call to {info}") from None
 
@@ -284,9 +348,9 @@ class Agent:
         payload = message.payload
         if message.type is MessageType.EXCEPTION:
             return None, decode_exception(payload["exc"], repr(to))
-        if message.type is MessageType.FORWARD_AUTOGRAD_RESP:
+        if message.type is MessageType.FORWARD_AUTOGRAD_RESP and payload.get("ag") is not None:
             try:
-                autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], to.id)
+                autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], to.id, response=True)
             except Exception as exc:
                 return None, SerializationError(f"cannot record the autograd metadata of the response from {to}: {exc}")
         return payload["v"], None
@@ -375,7 +439,7 @@ class Agent:
             if to == me:
                 self._complete(self._loopback(frames))
             else:
-                self.endpoint.send_encoded(to, reply.id, frames)
+                self.endpoint.send_encoded(to, reply.id, frames, reply.type)
         except (LocalProtocolError, SerializationError) as exc:
             # The result itself cannot travel: the caller gets that as its error.
             self._reply(request, None, SerializationError(f"the result of the call could not be sent back: {exc}"), None)
@@ -490,7 +554,9 @@ class Agent:
         """Wait until every call this worker made has completed (None: no limit; calls end by
         themselves: answered, timed out, or failed when their peer is lost); False on timeout."""
         with self._lock:
-            return self._all_done.wait_for(lambda: len(self._pending) <= len(self._barrier_ids), timeout)
+            return self._all_done.wait_for(
+                lambda: len(self._pending) <= len(self._barrier_ids) and self._retrying == 0, timeout
+            )
 
     def _close_now(self, reason: str, drain: float = 10.0) -> None:
         self._serving.set()  # release calls that were waiting for an init that failed

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +27,13 @@ class ZmqRpcBackendOptions:
             routes to MASTER_ADDR; env ZMQAUTOGRAD_ADVERTISE_ADDRESS overrides).
         allow_pickle: accept and send pickled payloads (objects msgpack cannot carry).
         heartbeat_interval / peer_timeout: peer-loss detection bounds, in seconds.
+        messages_to_fail / num_fail_sends / messages_to_delay / drop_fraction / fault_seed:
+            fault injection, as torch's faulty agent options (``transport.faults``; also
+            from the environment variable ZMQAUTOGRAD_FAULTS).
+        max_retries / retry_delay / retry_backoff: how the retryable control messages
+            (RREF_FORK_REQUEST, RREF_CHILD_ACCEPT, RREF_USER_DELETE,
+            CLEANUP_AUTOGRAD_CONTEXT_REQ) are retried: up to ``max_retries`` more tries,
+            waiting ``retry_delay`` seconds, then ``retry_backoff`` times longer each time.
     """
 
     init_method: str = DEFAULT_INIT_METHOD
@@ -38,12 +45,27 @@ class ZmqRpcBackendOptions:
     allow_pickle: bool = True
     heartbeat_interval: float = 1.0
     peer_timeout: float = 10.0
+    messages_to_fail: list[str] = field(default_factory=list)
+    num_fail_sends: int = 0
+    messages_to_delay: dict[str, float] = field(default_factory=dict)
+    drop_fraction: float = 0.0
+    fault_seed: int | None = None
+    max_retries: int = 5
+    retry_delay: float = 0.1
+    retry_backoff: float = 2.0
 
     def __post_init__(self) -> None:
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         self.device_maps = {k: dict(v) for k, v in (self.device_maps or {}).items()}
         self.devices = [torch.device(d) for d in (self.devices or [])]
+
+    def fault_options(self) -> dict[str, Any]:
+        return {
+            "messages_to_fail": list(self.messages_to_fail), "num_fail_sends": self.num_fail_sends,
+            "messages_to_delay": dict(self.messages_to_delay), "drop_fraction": self.drop_fraction,
+            "seed": self.fault_seed,
+        }
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
         """Map this worker's devices to worker ``to``'s devices for tensors sent to it."""

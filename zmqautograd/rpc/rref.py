@@ -130,8 +130,7 @@ class RRefContext:
         if parent == self.agent.rank:
             self.child_accepted(fork_id)
         else:
-            self.agent.call(parent, _child_accept, (list(fork_id),), None, 0,
-                            message_type=MessageType.RREF_CHILD_ACCEPT)
+            self.agent.call_retrying(parent, _child_accept, (list(fork_id),), MessageType.RREF_CHILD_ACCEPT)
 
     # ------------------------------------------------------------------------- wire format
 
@@ -161,8 +160,8 @@ class RRefContext:
         if parent == owner_id:
             rref._confirmed.set()  # the owner registered this fork when it sent it
             return rref
-        registered = agent.call(owner_id, _fork_request, (list(rref_id), list(fork_id)), None, 0,
-                                message_type=MessageType.RREF_FORK_REQUEST)
+        registered = agent.call_retrying(owner_id, _fork_request, (list(rref_id), list(fork_id)),
+                                         MessageType.RREF_FORK_REQUEST)
 
         def confirmed(done: Any) -> None:
             rref._confirm_if_ok(done)
@@ -286,8 +285,8 @@ class RRef:
             else:
                 agent = context.agent
                 if not agent.closed and agent.rrefs is context:
-                    agent.call(self.owner_id, _delete_fork, (list(self.rref_id), list(self.fork_id)), None, 0,
-                               message_type=MessageType.RREF_USER_DELETE)
+                    agent.call_retrying(self.owner_id, _delete_fork, (list(self.rref_id), list(self.fork_id)),
+                                        MessageType.RREF_USER_DELETE)
         except Exception:  # interpreter shutdown, peer gone: the owner's loss handling covers it
             pass
 
