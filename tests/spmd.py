@@ -179,16 +179,17 @@ def _make_test(module_name: str, class_name: str, name: str, function: Any, opti
     gpus = getattr(function, "_gpus", 0)
     destructive = getattr(function, "_destructive", False)
     gap = getattr(function, "_known_gap", None)
+    own_options = getattr(function, "_options", None)  # torch's dist_init(faulty_messages=...)
 
     def test(shared_group):
         if gpus and (torch.cuda.device_count() if torch.cuda.is_available() else 0) < gpus:
             pytest.skip(f"needs {gpus} CUDA device(s)")
-        if destructive:
-            group = SpmdGroup(module_name, 4, **options)
+        if destructive or own_options is not None:
+            group = SpmdGroup(module_name, 4, **{**options, **(own_options or {})})
             try:
-                group.run(class_name, name, destructive=True)
+                group.run(class_name, name, destructive=destructive)
             finally:
-                group.kill()
+                group.kill() if destructive else group.close()
             return
         get, broken = shared_group
         try:
