@@ -129,6 +129,54 @@ class FaultyAgentRpcTest(FaultyCase):
     def test_custom_messages_to_delay(self):
         self.assertEqual(self.rpc_backend_options.messages_to_delay, {"SCRIPT_CALL": 1.5})
 
+    # torch waits here for the failed remote() to settle
+    # (wait_until_pending_futures_and_users_flushed); a send that fails on purpose fails at
+    # once here, so there is nothing to wait for. torch's ``rref._serialize()`` check is the
+    # same as passing the RRef in a call, which is kept.
+    def _test_remote_message_dropped_pickle(self, dst=None):
+        if self.rank != 0:
+            return
+        dst_rank = dst if dst is not None else (self.rank + 1) % self.world_size
+        dst_worker = f"worker{dst_rank}"
+        rref = rpc.remote(dst_worker, my_sleep_func, args=(1,))
+        with self.assertRaisesRegex(RuntimeError, "RRef creation"):
+            rpc.rpc_async(dst_worker, add_rref_to_value, args=(rref, 1))
+        # The call that could not be encoded is not left pending (shutdown would wait for it).
+        self.assertEqual(rpc.api._current().outstanding(), 0)
+
+    @options(faulty_messages=["PYTHON_REMOTE_CALL"])
+    def test_remote_message_dropped_pickle(self):
+        self._test_remote_message_dropped_pickle()
+
+    @options(faulty_messages=["PYTHON_REMOTE_CALL"])
+    def test_remote_message_dropped_pickle_to_self(self):
+        self._test_remote_message_dropped_pickle(self.rank)
+
+    def _test_remote_message_dropped_timeout(self, func, args, dst=None):
+        if self.rank != 0:
+            return
+        dst_rank = dst if dst is not None else (self.rank + 1) % self.world_size
+        dst_worker = f"worker{dst_rank}"
+        rref = rpc.remote(dst_worker, func, args=args)
+        with self.assertRaisesRegex(RuntimeError, "RRef creation"):
+            rref.to_here()
+
+    @options(faulty_messages=["SCRIPT_REMOTE_CALL"])
+    def test_builtin_remote_message_dropped_timeout(self):
+        self._test_remote_message_dropped_timeout(torch.add, (torch.tensor(1), torch.tensor(1)))
+
+    @options(faulty_messages=["SCRIPT_REMOTE_CALL"])
+    def test_builtin_remote_message_dropped_timeout_to_self(self):
+        self._test_remote_message_dropped_timeout(torch.add, (torch.tensor(1), torch.tensor(1)), dst=0)
+
+    @options(faulty_messages=["PYTHON_REMOTE_CALL"])
+    def test_udf_remote_message_dropped_timeout(self):
+        self._test_remote_message_dropped_timeout(my_sleep_func, (2,))
+
+    @options(faulty_messages=["PYTHON_REMOTE_CALL"])
+    def test_udf_remote_message_dropped_timeout_to_self(self):
+        self._test_remote_message_dropped_timeout(my_sleep_func, (2,), dst=0)
+
     @options(faulty_messages=[], messages_to_delay={"SCRIPT_RREF_FETCH_CALL": 1})
     def test_rref_to_here_timeout(self):
         if self.rank != 0:

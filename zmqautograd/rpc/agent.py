@@ -226,10 +226,12 @@ class Agent:
                 autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
             del tensors
             self._transmit(info, message, frames)
-        except (TransportError, SerializationError) as exc:
-            with self._lock:
+        except BaseException as exc:
+            with self._lock:  # never sent: nothing will complete it
                 self._take(message_id)
-            raise _with_context(exc, f"cannot send a call to {info}") from None
+            if isinstance(exc, (TransportError, SerializationError)):
+                raise _with_context(exc, f"cannot send a call to {info}") from None
+            raise
         return future
 
     def _transmit(self, info: WorkerInfo, message: Message, frames: list) -> None:

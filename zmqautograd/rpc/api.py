@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from transport import MessageType
+from transport import MessageType, TransportError
 
 from .agent import Agent, WorkerInfo
 from .errors import RpcError, RpcNotInitializedError
@@ -121,12 +121,25 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
     owned_here = info.id == agent.rank
     fork_id = None if owned_here else context.new_id()
     call_args = (list(rref_id), fork_id and list(fork_id), encode_function(func), tuple(args or ()), dict(kwargs or {}))
+    # As torch's, remote() returns an RRef even when the call fails to go out: the failure
+    # is the RRef's creation error, raised when it is used (to_here, passing it on).
     if owned_here:  # the local handle exists before the call can run
         rref = RRef._owner_handle(context, rref_id, type_name)
-        agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+        try:
+            agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+        except TransportError as exc:
+            error = RuntimeError(f"RRef creation via rpc.remote() on {info} failed: {exc}")
+            context.fail_creation(rref_id, error)
+            rref._creation = torch.futures.Future()
+            rref._creation.set_exception(error)
         return rref
-    registered = agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
-    rref = RRef._user(context, rref_id, info.id, fork_id, type_name)  # only once the call is sent
+    rref = RRef._user(context, rref_id, info.id, fork_id, type_name)
+    try:
+        registered = agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+    except TransportError as exc:
+        rref._creation_failed(exc)
+        rref._unsent = True  # never reached the owner: nothing to delete there
+        return rref
     registered.add_done_callback(rref._confirm_if_ok)
     return rref
 

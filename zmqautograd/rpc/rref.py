@@ -96,6 +96,14 @@ class RRefContext:
         with self._lock:
             self._entry(rref_id).created = True
 
+    def fail_creation(self, rref_id: RRefId, error: BaseException) -> None:
+        """remote() to ourselves could not be sent: the value is that error."""
+        with self._lock:
+            entry = self._entry(rref_id)
+            entry.created = True
+        if not entry.value.done():
+            entry.value.set_exception(error)
+
     def add_local_handle(self, rref_id: RRefId) -> None:
         with self._lock:
             self._entry(rref_id).local_handles += 1
@@ -136,6 +144,7 @@ class RRefContext:
 
     def encode(self, rref: "RRef") -> list:
         """Fork ``rref`` for whoever receives this message."""
+        rref._check_created()
         fork_id = self.new_id()
         if rref.is_owner():
             # The owner registers the fork itself; the receiver's delete will remove it.
@@ -201,6 +210,7 @@ class RRef:
         rref._context, rref.rref_id, rref.owner_id, rref.fork_id = context, rref_id, owner_id, fork_id
         rref._type_name = type_name
         rref._confirmed = threading.Event()
+        rref._creation: torch.futures.Future = torch.futures.Future()  # settles with the owner's answer
         return rref
 
     def _init_owner(self, context: RRefContext, rref_id: RRefId, type_name: str) -> None:
@@ -208,6 +218,8 @@ class RRef:
         self._type_name = type_name
         self._confirmed = threading.Event()
         self._confirmed.set()
+        self._creation = torch.futures.Future()
+        self._creation.set_result(True)
         context.add_local_handle(rref_id)
 
     # ------------------------------------------------------------------------------ API
@@ -227,9 +239,28 @@ class RRef:
     def _confirm_if_ok(self, done: torch.futures.Future) -> None:
         try:
             done.value()
-        except Exception:
-            return  # the owner never registered us; to_here() will tell why
+        except Exception as exc:  # the owner never registered us: using the RRef says why
+            self._creation_failed(exc)
+            return
         self._confirmed.set()
+        if not self._creation.done():
+            self._creation.set_result(True)
+
+    def _creation_failed(self, error: BaseException) -> None:
+        if not self._creation.done():
+            self._creation.set_exception(RuntimeError(
+                f"RRef creation via rpc.remote() on {self.owner()} failed, and the RRef may not exist "
+                f"on its owner: {error}"
+            ))
+
+    def _check_created(self) -> None:
+        """Raise the creation error of an RRef whose remote() failed (torch: 'RRef creation')."""
+        if self._creation.done():
+            self._creation.wait()
+
+    def _get_future(self) -> torch.futures.Future:
+        """Completes when the owner has confirmed this RRef (with an error if remote() failed)."""
+        return self._creation
 
     def local_value(self) -> Any:
         if not self.is_owner():
@@ -243,6 +274,7 @@ class RRef:
         """The value, copied here from its owner (waits until the owner has it)."""
         if self.is_owner():
             return self.local_value()
+        self._check_created()
         agent = self._context.agent
         value = agent.call_sync(self.owner_id, _fetch, (list(self.rref_id),), None, timeout,
                                 message_type=MessageType.PYTHON_RREF_FETCH_CALL)
@@ -282,6 +314,8 @@ class RRef:
         try:
             if self.is_owner():
                 context.drop_local_handle(self.rref_id)
+            elif getattr(self, "_unsent", False):
+                return  # its remote() never went out
             else:
                 agent = context.agent
                 if not agent.closed and agent.rrefs is context:
