@@ -3,7 +3,8 @@
 Mirrors the options of torch's faulty RPC agent so that its tests port, plus network faults:
 
 * ``messages_to_fail`` / ``num_fail_sends``: the first N sends of each named message type
-  fail (the sender gets ``InjectedFaultError`` at once, as a failed send);
+  fail (the sender gets ``InjectedFaultError`` at once, as a failed send); with
+  ``fail_fraction`` (and ``seed``), later sends of those types fail with that probability;
 * ``messages_to_delay``: messages of a type go out that many seconds late;
 * ``drop_fraction`` (with ``seed``): that fraction of messages is lost on the way, silently,
   as a network would lose them (their calls then time out);
@@ -61,10 +62,12 @@ class FaultPolicy:
     messages_to_delay: dict[str, float] = field(default_factory=dict)
     drop_fraction: float = 0.0
     seed: int | None = None
+    fail_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.drop_fraction <= 1.0:
-            raise ValueError(f"drop_fraction must be in [0, 1], got {self.drop_fraction}")
+        for name in ("drop_fraction", "fail_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.num_fail_sends < 0:
             raise ValueError(f"num_fail_sends must be >= 0, got {self.num_fail_sends}")
         self._fail = {_canonical(n) for n in self.messages_to_fail}
@@ -86,7 +89,7 @@ class FaultPolicy:
                 options.update(json.loads(raw))
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"{ENVIRONMENT_VARIABLE} is not a JSON object of fault options: {exc}") from None
-        known = {"messages_to_fail", "num_fail_sends", "messages_to_delay", "drop_fraction", "seed"}
+        known = {"messages_to_fail", "num_fail_sends", "messages_to_delay", "drop_fraction", "seed", "fail_fraction"}
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"unknown fault options {sorted(unknown)}; known: {sorted(known)}")
@@ -116,7 +119,7 @@ class FaultPolicy:
                 return SEND
             if name in self._fail:
                 count = self._failed.get(name, 0)
-                if count < self.num_fail_sends:
+                if count < self.num_fail_sends or (self.fail_fraction and self._random.random() < self.fail_fraction):
                     self._failed[name] = count + 1
                     self.injected["failed"] += 1
                     return Decision(fail=True)

@@ -27,7 +27,8 @@ class ZmqRpcBackendOptions:
             routes to MASTER_ADDR; env ZMQAUTOGRAD_ADVERTISE_ADDRESS overrides).
         allow_pickle: accept and send pickled payloads (objects msgpack cannot carry).
         heartbeat_interval / peer_timeout: peer-loss detection bounds, in seconds.
-        messages_to_fail / num_fail_sends / messages_to_delay / drop_fraction / fault_seed:
+        messages_to_fail / num_fail_sends / messages_to_delay / drop_fraction / fail_fraction /
+        fault_seed:
             fault injection, as torch's faulty agent options (``transport.faults``; also
             from the environment variable ZMQAUTOGRAD_FAULTS).
         max_retries / retry_delay / retry_backoff: how the retryable control messages
@@ -49,6 +50,7 @@ class ZmqRpcBackendOptions:
     num_fail_sends: int = 0
     messages_to_delay: dict[str, float] = field(default_factory=dict)
     drop_fraction: float = 0.0
+    fail_fraction: float = 0.0
     fault_seed: int | None = None
     max_retries: int = 5
     retry_delay: float = 0.1
@@ -64,7 +66,7 @@ class ZmqRpcBackendOptions:
         return {
             "messages_to_fail": list(self.messages_to_fail), "num_fail_sends": self.num_fail_sends,
             "messages_to_delay": dict(self.messages_to_delay), "drop_fraction": self.drop_fraction,
-            "seed": self.fault_seed,
+            "fail_fraction": self.fail_fraction, "seed": self.fault_seed,
         }
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:

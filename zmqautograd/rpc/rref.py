@@ -249,8 +249,8 @@ class RRef:
     def _creation_failed(self, error: BaseException) -> None:
         if not self._creation.done():
             self._creation.set_exception(RuntimeError(
-                f"RRef creation via rpc.remote() on {self.owner()} failed, and the RRef may not exist "
-                f"on its owner: {error}"
+                f"RRef creation on its owner {self.owner()} failed (the remote() that made it, or the "
+                f"fork that brought it here, was not confirmed), and the RRef may not exist there: {error}"
             ))
 
     def _check_created(self) -> None:
