@@ -238,6 +238,21 @@ class ContextContainer:
             self._local.context = None
         return context
 
+    def release_created_by(self, worker_id: int, error: BaseException) -> int:
+        """Release every context that ``worker_id`` created (it is gone: nobody else would);
+        a backward pass still running in one fails with ``error``. Returns how many."""
+        with self._lock:
+            orphans = [cid for cid in self._contexts if cid >> 48 == worker_id]
+        released = 0
+        for context_id in orphans:
+            context = self.remove(context_id)
+            if context is not None:
+                released += 1
+                running = context.current_pass
+                if running is not None:
+                    running.fail(error)
+        return released
+
     def wait_released(self, context_ids: set[int] | None, timeout: float) -> bool:
         """Wait until none of ``context_ids`` (None: no context at all) is here any more;
         False if some still is after ``timeout`` seconds."""

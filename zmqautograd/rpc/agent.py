@@ -475,6 +475,10 @@ class Agent:
             pending.future.set_exception(PeerLostError(peer, f"call to {pending.to} failed: {error}"))
         if self._arrivals:  # the others wait at the shutdown barrier for someone who is gone
             self._release_arrivals(PeerLostError(peer, f"shutdown: {error}"))
+        # Contexts that worker created here can never be released by it any more.
+        orphans = self.autograd.release_created_by(int(peer), PeerLostError(peer, f"creator lost: {error}"))
+        if orphans:
+            log.warning("%s: released %d autograd context(s) of lost worker %s", self.info, orphans, peer)
 
     # -------------------------------------------------------------------------- timeouts
 

@@ -1,0 +1,79 @@
+"""What the kill tests run on their workers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+import zmqautograd.autograd as dist_autograd
+import zmqautograd.rpc as rpc
+
+_started = threading.Event()
+_call_started = threading.Event()
+
+
+def slow_identity(x, seconds: float):
+    _call_started.set()
+    time.sleep(seconds)
+    return x
+
+
+def in_slow_call() -> bool:
+    return _call_started.wait(5)
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes ``seconds`` (the worker is killed meanwhile)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _started.set()
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def in_slow_backward() -> bool:
+    return _started.wait(5)
+
+
+def slow_backward_stage(x, seconds: float):
+    return SlowBackward.apply(x * 2, seconds)
+
+
+def make_contexts_on(workers: list, count: int) -> int:
+    """Create ``count`` contexts here that reach ``workers`` (and never release them)."""
+    for _ in range(count):
+        context = dist_autograd._new_context()
+        x = torch.ones(2, requires_grad=True)
+        for worker in workers:
+            rpc.rpc_sync(worker, torch.add, args=(x, 1))
+        rpc.api._current().autograd.set_current(None)
+        del context
+    return count
+
+
+def context_count() -> int:
+    return rpc.api._current().autograd.count()
+
+
+_stop = threading.Event()
+
+
+def stop() -> None:
+    _stop.set()
+
+
+def serve_until_stopped(rank: int, world_size: int, init_method: str, options: dict) -> None:
+    """A worker that keeps serving when peers die (the harness's workers leave at the first
+    failed shutdown barrier): it serves until told to stop, then leaves without a barrier."""
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, **options))
+    _stop.wait()
+    rpc.shutdown(graceful=False)

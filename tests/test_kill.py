@@ -1,0 +1,144 @@
+"""SIGKILL a worker mid-forward, mid-backward, during an RRef fetch, and while it owns
+contexts on others: survivors raise within the detection bound (printed), release what the
+dead worker left them, and keep serving."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import zmqautograd.autograd as dist_autograd
+import zmqautograd.rpc as rpc
+
+from . import kill_functions as kf
+from .rpc_harness import free_port
+
+pytestmark = pytest.mark.timeout(180)
+PEER_TIMEOUT = 3.0  # bound for a silent peer; a killed process closes its connections at once
+
+
+OPTIONS = {"num_worker_threads": 4, "rpc_timeout": 30, "heartbeat_interval": 0.5, "peer_timeout": PEER_TIMEOUT}
+
+
+class KillGroup:
+    """Ranks 1..n-1 in processes that keep serving when peers die; rank 0 is this process."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.processes = [
+            ctx.Process(target=kf.serve_until_stopped, args=(rank, world_size, init_method, OPTIONS), daemon=True)
+            for rank in range(1, world_size)
+        ]
+        for process in self.processes:
+            process.start()
+        rpc.init_rpc("worker0", rank=0, world_size=world_size,
+                     rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, **OPTIONS))
+
+    def close(self) -> None:
+        for rank, process in enumerate(self.processes, start=1):
+            if process.is_alive():
+                try:
+                    rpc.rpc_sync(f"worker{rank}", kf.stop, timeout=5)
+                except RuntimeError:
+                    pass
+        rpc.shutdown(graceful=False)
+        for process in self.processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = KillGroup(5)
+    yield g
+    g.close()
+
+
+def _kill(group, rank: int) -> float:
+    os.kill(group.processes[rank - 1].pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def _raises_within(run, bound: float) -> tuple[threading.Thread, dict]:
+    """Run ``run`` (which must raise) on a thread; ``outcome`` gets the error and its time."""
+    outcome: dict = {}
+
+    def target():
+        try:
+            run()
+        except BaseException as exc:  # noqa: BLE001
+            outcome["error"] = exc
+        outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _assert_still_serving():
+    for worker in ("worker0", "worker4"):  # worker4 is killed only by the last test
+        assert torch.equal(rpc.rpc_sync(worker, torch.add, args=(torch.ones(2), 1)), torch.full((2,), 2.0))
+
+
+def test_kill_mid_forward(group):
+    future = rpc.rpc_async("worker1", kf.slow_identity, args=(torch.ones(2), 30.0))
+    assert rpc.rpc_sync("worker1", kf.in_slow_call)  # the call runs on worker1 (30 s)
+    killed = _kill(group, 1)
+    with pytest.raises(RuntimeError, match="worker1|'1'") as caught:
+        future.wait()
+    detected = time.monotonic() - killed
+    print(f"\nkill mid-forward: the pending call failed {detected * 1000:.0f} ms after SIGKILL: {caught.value}")
+    assert isinstance(caught.value, rpc.RpcError) or "lost" in str(caught.value)
+    assert detected < PEER_TIMEOUT + 2
+    _assert_still_serving()
+
+
+def test_kill_mid_backward(group):
+    x = torch.ones(3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync("worker2", kf.slow_backward_stage, args=(x, 30.0))
+        thread, outcome = _raises_within(lambda: dist_autograd.backward(context_id, [y.sum()]), 0)
+        assert rpc.rpc_sync("worker2", kf.in_slow_backward)  # the pass is inside worker2's slow node
+        killed = _kill(group, 2)
+        thread.join(PEER_TIMEOUT + 10)
+        assert not thread.is_alive(), "backward still waits for a dead worker"
+    detected = outcome["at"] - killed
+    print(f"\nkill mid-backward: backward raised {detected * 1000:.0f} ms after SIGKILL: {outcome['error']}")
+    assert "Error on Node 0" in str(outcome["error"]) and "2" in str(outcome["error"])
+    assert detected < PEER_TIMEOUT + 2
+    _assert_still_serving()
+
+
+def test_kill_during_rref_fetch(group):
+    rref = rpc.remote("worker3", kf.slow_identity, args=(torch.ones(2), 30.0))
+    thread, outcome = _raises_within(rref.to_here, 0)
+    assert rpc.rpc_sync("worker3", kf.in_slow_call)  # the value is being made; to_here waits for it
+    killed = _kill(group, 3)
+    thread.join(PEER_TIMEOUT + 10)
+    assert not thread.is_alive(), "to_here still waits for a dead owner"
+    detected = outcome["at"] - killed
+    print(f"\nkill during to_here: raised {detected * 1000:.0f} ms after SIGKILL: {outcome['error']}")
+    assert detected < PEER_TIMEOUT + 2
+    with pytest.raises(RuntimeError, match="lost"):  # the RRef's owner is gone: clear on every use
+        rref.to_here()
+    _assert_still_serving()
+
+
+def test_contexts_of_a_dead_creator_are_released_on_survivors(group):
+    """worker4 creates contexts that reach this worker, and is killed (runs last: the
+    surviving workers are 0 and 4 by now)."""
+    container = rpc.api._current().autograd
+    assert rpc.rpc_sync("worker4", kf.make_contexts_on, args=(["worker0"], 5)) == 5
+    assert container.count() == 5
+    killed = _kill(group, 4)
+    assert container.wait_released(None, PEER_TIMEOUT + 5), f"{container.count()} context(s) left"
+    released = time.monotonic() - killed
+    print(f"\norphaned contexts released {released * 1000:.0f} ms after their creator's SIGKILL")
