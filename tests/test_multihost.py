@@ -46,12 +46,17 @@ def hosts():
 
 
 @pytest.mark.timeout(120)
-def test_workers_on_separate_hosts_advertise_routable_addresses(hosts):
+@pytest.mark.parametrize("secret", [None, "a cluster secret of some length"])
+def test_workers_on_separate_hosts_advertise_routable_addresses(hosts, secret):
+    """Also the pickle policy across hosts: without a cluster secret, pickled payloads from
+    another host are refused with a clear error; with one (all traffic CURVE-encrypted, peers
+    authenticated) they are accepted."""
     master = f"{SUBNET}.1:29500"
     env = {**os.environ, "PYTHONPATH": ROOT}
+    extra = [secret] if secret else []
     processes = [
         subprocess.Popen(
-            ["ip", "netns", "exec", name, sys.executable, "-m", "tests.netns_worker", str(rank), str(HOSTS), master],
+            ["ip", "netns", "exec", name, sys.executable, "-m", "tests.netns_worker", str(rank), str(HOSTS), master, *extra],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for rank, name in enumerate(hosts)
@@ -61,8 +66,12 @@ def test_workers_on_separate_hosts_advertise_routable_addresses(hosts):
         out, err = process.communicate(timeout=100)
         assert process.returncode == 0, err[-3000:]
         outputs.append(json.loads(out.strip().splitlines()[-1]))
-    for seen in outputs:
+    for result in outputs:
         for rank in range(HOSTS):
-            name, address = seen[f"host{rank}"]
+            name, address = result["seen"][f"host{rank}"]
             assert name == f"host{rank}"
             assert address.startswith(f"tcp://{SUBNET}.{rank + 1}:"), address  # not loopback
+        if secret:
+            assert result["pickle"] == "accepted"
+        else:
+            assert result["pickle"].startswith("refused") and "only from authenticated peers" in result["pickle"]

@@ -41,6 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .codec import Codec, Envelope, Message, MessageType
 from . import faults
+from .security import ZAP_ENDPOINT, ClusterKeys
 from .faults import FaultPolicy
 from .errors import (
     DeviceMapError,
@@ -72,6 +73,9 @@ class EndpointOptions:
     connect_timeout: float = 60.0  # a peer must complete HELLO within this
     close_linger: float = 1.0  # on close, how long queued messages may still take to leave
     detect_disconnect: bool = True  # treat a closed connection as a lost peer at once
+    # With a cluster secret, all traffic is CURVE-encrypted and only peers that hold the same
+    # secret get in (transport/security.py).
+    cluster_secret: str | bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.peer_timeout:
@@ -173,6 +177,7 @@ class Endpoint:
         self._executor = executor
         self._on_envelope = on_envelope
         self.faults = faults
+        self.refused_connections = 0  # peers refused for not holding the cluster secret
         self._identity_bytes = identity.encode()
 
         self._lock = threading.Lock()  # guards the peer table, outbox hand-over and closing
@@ -426,6 +431,13 @@ class Endpoint:
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.options.peer_timeout * 1000))
         router.setsockopt(zmq.HEARTBEAT_TTL, int(self.options.peer_timeout * 1000))
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._keys = None
+        self._zap = None
+        if self.options.cluster_secret:
+            self._keys = ClusterKeys.from_secret(self.options.cluster_secret)
+            self._zap = self._context.socket(zmq.REP)  # this thread answers libzmq's auth requests
+            self._zap.bind(ZAP_ENDPOINT)
+            self._keys.configure_listener(router)
         for address in bind_list:
             if address.startswith("tcp://") and address.endswith(":0"):
                 address = address[:-2] + ":*"
@@ -435,6 +447,8 @@ class Endpoint:
         self._poller.register(router, zmq.POLLIN)
         self._poller.register(self._wake_pull, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        if self._zap is not None:
+            self._poller.register(self._zap, zmq.POLLIN)
         self._by_address: dict[str, str] = {}  # connected address -> peer
         self._by_fd: dict[int, str] = {}  # accepted connection fd -> peer
         self._closing: dict[str, str] = {}  # peers whose connection is gone -> why
@@ -448,7 +462,7 @@ class Endpoint:
             except zmq.ZMQError:
                 pass
             router.close(linger=int(linger * 1000))
-        for name in ("_monitor", "_wake_pull"):
+        for name in ("_monitor", "_wake_pull", "_zap"):
             socket = getattr(self, name, None)
             if socket is not None:
                 socket.close(linger=0)
@@ -474,6 +488,8 @@ class Endpoint:
                 self._receive_batch()
             if monitor in ready:
                 self._read_monitor()
+            if self._zap is not None and self._zap in ready:
+                self._authenticate()
             if not self._drain_outbox():
                 return
             if self._closing:
@@ -501,8 +517,23 @@ class Endpoint:
                 return False
         return True
 
+    def _authenticate(self) -> None:
+        """Answer libzmq's ZAP requests: a peer without the cluster secret is refused here,
+        inside the CURVE handshake, before any message of it exists."""
+        while self._zap.get(zmq.EVENTS) & zmq.POLLIN:
+            request = self._zap.recv_multipart()
+            reply, admitted = self._keys.zap_reply(request)
+            self._zap.send_multipart(reply)
+            if not admitted:
+                self.refused_connections += 1
+                address = request[3].decode(errors="replace") if len(request) > 3 else "?"
+                log.warning("endpoint %s: refused a connection from %s: it does not hold the cluster secret",
+                            self.identity, address)
+
     def _connect(self, peer: str, address: str) -> None:
         try:
+            if self._keys is not None:
+                self._keys.configure_connect(self._router)
             self._router.setsockopt(zmq.CONNECT_ROUTING_ID, peer.encode())
             self._router.connect(address)
         except zmq.ZMQError as exc:

@@ -8,7 +8,9 @@ futures; the pool runs user functions; the endpoint's I/O thread never runs eith
 from __future__ import annotations
 
 import heapq
+import ipaddress
 import itertools
+import os
 import logging
 import threading
 import time
@@ -22,6 +24,7 @@ from transport import (
     PeerLostError, TransportError, UnknownPeerError,
 )
 from transport import faults as transport_faults
+from transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
 from transport.endpoint import Endpoint, EndpointOptions
 
 from .errors import RpcError, RpcTimeoutError, SerializationError
@@ -111,8 +114,9 @@ class Agent:
         self.rank = rendezvous.rank
         self.info = WorkerInfo(name, self.rank)
         self.default_timeout = options.rpc_timeout
-        self.codec = RpcCodec(allow_pickle=options.allow_pickle)
         host = advertise_address(rendezvous.master_addr, options.advertise_address)
+        secret = options.cluster_secret or os.environ.get(SECRET_VARIABLE) or None
+        self.codec = _make_codec(options.allow_pickle, bool(secret), host)
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}")
         self.rrefs = RRefContext(self)
         self.autograd = ContextContainer(self.rank)  # distributed autograd contexts
@@ -128,6 +132,7 @@ class Agent:
                 heartbeat_interval=options.heartbeat_interval,
                 peer_timeout=options.peer_timeout,
                 connect_timeout=rendezvous.timeout,
+                cluster_secret=secret,
             ),
             # Requests go from the I/O thread straight to the pool that runs them, and a
             # response to rpc_sync straight to the thread that waits for it.
@@ -579,6 +584,22 @@ class Agent:
         self.pool.shutdown(timeout=drain)
         self.endpoint.close()
         self._timer.join(5)
+
+
+def _make_codec(allow_pickle: bool | None, authenticated: bool, host: str) -> RpcCodec:
+    """The pickle policy: explicit, or by default accepted only from authenticated peers or
+    on loopback (where only this host's processes can connect)."""
+    if allow_pickle is not None:
+        return RpcCodec(allow_pickle=allow_pickle)
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    return RpcCodec(
+        allow_pickle=True, accept_pickle=authenticated or loopback,
+        refusal="this worker accepts pickled payloads only from authenticated peers (set a cluster_secret) or "
+                "on loopback; send msgpack-able values, or set allow_pickle=True to accept pickle from anyone",
+    )
 
 
 def _arrive_at_shutdown(rank: int) -> torch.futures.Future:

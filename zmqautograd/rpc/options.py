@@ -25,7 +25,12 @@ class ZmqRpcBackendOptions:
         device_maps / devices: where tensors from each peer's devices go here (CUDA).
         advertise_address: the IP this worker tells its peers (default: the interface that
             routes to MASTER_ADDR; env ZMQAUTOGRAD_ADVERTISE_ADDRESS overrides).
-        allow_pickle: accept and send pickled payloads (objects msgpack cannot carry).
+        allow_pickle: send and accept pickled payloads (objects msgpack cannot carry). None
+            (the default): sent freely, accepted only from authenticated peers (a cluster
+            secret) or when this worker is on loopback; False: refused both ways; True:
+            accepted from anyone who can connect.
+        cluster_secret: all traffic CURVE-encrypted, and only workers holding the same secret
+            can connect (env ZMQAUTOGRAD_CLUSTER_SECRET; at least 16 bytes).
         heartbeat_interval / peer_timeout: peer-loss detection bounds, in seconds.
         messages_to_fail / num_fail_sends / messages_to_delay / drop_fraction / fail_fraction /
         fault_seed:
@@ -43,7 +48,8 @@ class ZmqRpcBackendOptions:
     device_maps: dict[str, dict[Any, Any]] | None = None
     devices: list[Any] | None = None
     advertise_address: str | None = None
-    allow_pickle: bool = True
+    allow_pickle: bool | None = None
+    cluster_secret: str | None = field(default=None, repr=False)
     heartbeat_interval: float = 1.0
     peer_timeout: float = 10.0
     messages_to_fail: list[str] = field(default_factory=list)

@@ -105,8 +105,11 @@ class RpcCodec(Codec):
     """The transport codec plus the RPC layer's types: function references and the pickle
     fallback (refused both ways when ``allow_pickle`` is False)."""
 
-    def __init__(self, allow_pickle: bool = True, **kwargs: Any):
-        self.allow_pickle = allow_pickle
+    def __init__(self, allow_pickle: bool = True, accept_pickle: bool | None = None, refusal: str = "", **kwargs: Any):
+        self.allow_pickle = allow_pickle  # may we send pickled payloads
+        # may we unpickle what peers send (default: as allow_pickle); ``refusal`` says why not
+        self.accept_pickle = allow_pickle if accept_pickle is None else accept_pickle
+        self.refusal = refusal or "allow_pickle is False on this worker"
         pickled = Extension(EXT_PICKLE, _Pickled, lambda p: p.value, self._load_pickle)
         functions = Extension(EXT_FUNCTION, FunctionRef, lambda f: [f.module, f.qualname], self._load_function)
         super().__init__(extensions=[pickled, functions], fallback=self._fallback, **kwargs)
@@ -119,8 +122,8 @@ class RpcCodec(Codec):
         return self._by_code[EXT_PICKLE], pickle_out_of_band(obj)
 
     def _load_pickle(self, value: Any) -> Any:
-        if not self.allow_pickle:
-            raise SerializationError("refused a pickled payload: allow_pickle is False on this worker")
+        if not self.accept_pickle:
+            raise SerializationError(f"refused a pickled payload: {self.refusal}")
         return unpickle_out_of_band(value)
 
     @staticmethod
