@@ -273,7 +273,9 @@ class Codec:
         for frame in frames:
             total += frame.nbytes if type(frame) is memoryview else len(frame)
         if total > self.max_message_bytes:
-            raise MessageTooLargeError(f"message is {total} bytes, the limit is {self.max_message_bytes}")
+            error = MessageTooLargeError(f"message is {total} bytes, the limit is {self.max_message_bytes}")
+            error.message_id = _peek_message_id(frames[0])  # so the refusal names the message
+            raise error
         raw = _frame_bytes(frames[0])
         try:
             header = msgpack.unpackb(raw, use_list=True, raw=False, strict_map_key=True)
@@ -401,6 +403,20 @@ def _check_sender(sender: Any, error: type[ProtocolError]) -> None:
             raise error(f"sender name longer than {MAX_SENDER_LENGTH} characters")
     else:
         raise error(f"sender must be an int or a str, got {type(sender).__name__}")
+
+
+def _peek_message_id(frame: Any) -> int:
+    """The id in a (small) envelope frame, or 0: just enough to tell a sender which of its
+    messages was refused, without decoding anything else."""
+    try:
+        raw = _frame_bytes(frame)
+        if len(raw) > 4096:
+            return 0
+        header = msgpack.unpackb(raw, use_list=True, raw=False, strict_map_key=True)
+        message_id = header[2]
+        return message_id if type(message_id) is int and 0 <= message_id <= MAX_MESSAGE_ID else 0
+    except Exception:  # noqa: BLE001 - garbage: no id to tell
+        return 0
 
 
 def _frame_bytes(frame: Any) -> bytes:

@@ -676,7 +676,7 @@ class Endpoint:
         """The PROTOCOL_ERROR answer to a message we could not read (the envelope, if it was)."""
         return Message(
             MessageType.PROTOCOL_ERROR,
-            envelope.id if envelope else 0,
+            envelope.id if envelope else getattr(exc, "message_id", 0),
             self.identity,
             {"error": f"{type(exc).__name__}: {exc}"[:4096], "type": envelope.type.name if envelope else None},
         )

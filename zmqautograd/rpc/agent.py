@@ -117,6 +117,7 @@ class Agent:
         host = advertise_address(rendezvous.master_addr, options.advertise_address)
         secret = options.cluster_secret or os.environ.get(SECRET_VARIABLE) or None
         self.codec = _make_codec(options.allow_pickle, bool(secret), host)
+        self.codec.max_message_bytes = options.max_message_bytes
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}")
         self.rrefs = RRefContext(self)
         self.autograd = ContextContainer(self.rank)  # distributed autograd contexts
@@ -481,7 +482,8 @@ class Agent:
         if self._arrivals:  # the others wait at the shutdown barrier for someone who is gone
             self._release_arrivals(PeerLostError(peer, f"shutdown: {error}"))
         # Contexts that worker created here can never be released by it any more.
-        orphans = self.autograd.release_created_by(int(peer), PeerLostError(peer, f"creator lost: {error}"))
+        orphans = self.autograd.release_created_by(int(peer), PeerLostError(peer, f"creator lost: {error}")) \
+            if peer.isdigit() else 0  # workers are named by rank; anything else is no member
         if orphans:
             log.warning("%s: released %d autograd context(s) of lost worker %s", self.info, orphans, peer)
 

@@ -29,6 +29,8 @@ class ZmqRpcBackendOptions:
             (the default): sent freely, accepted only from authenticated peers (a cluster
             secret) or when this worker is on loopback; False: refused both ways; True:
             accepted from anyone who can connect.
+        max_message_bytes: incoming messages larger than this (all frames) are refused with
+            a protocol error to their sender.
         cluster_secret: all traffic CURVE-encrypted, and only workers holding the same secret
             can connect (env ZMQAUTOGRAD_CLUSTER_SECRET; at least 16 bytes).
         heartbeat_interval / peer_timeout: peer-loss detection bounds, in seconds.
@@ -49,6 +51,7 @@ class ZmqRpcBackendOptions:
     devices: list[Any] | None = None
     advertise_address: str | None = None
     allow_pickle: bool | None = None
+    max_message_bytes: int = 1 << 34
     cluster_secret: str | None = field(default=None, repr=False)
     heartbeat_interval: float = 1.0
     peer_timeout: float = 10.0

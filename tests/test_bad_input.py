@@ -1,0 +1,77 @@
+"""A live RPC worker bombarded with malformed and hostile messages stays up, answers what it
+can address with an error, refuses oversize messages, and then serves valid calls."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+import zmqautograd.rpc as rpc
+from transport import PROTOCOL_VERSION, Codec, Message, MessageType
+
+from . import bad_input_functions as bf
+from .rpc_harness import Group
+
+pytestmark = pytest.mark.timeout(120)
+LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = Group(world_size=2, num_worker_threads=4, rpc_timeout=20, max_message_bytes=LIMIT)
+    yield g
+    g.shutdown()
+
+
+def test_oversize_messages_are_refused_with_a_clear_error(group):
+    with pytest.raises(RuntimeError, match=r"limit is 1048576"):
+        rpc.rpc_sync("worker1", torch.add, args=(torch.zeros(LIMIT // 4 + 1), 1))
+    assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.zeros(100), 1)), torch.ones(100))
+
+
+def test_bombarded_worker_stays_up_and_serves(group):
+    address = rpc.rpc_sync("worker1", bf.address)
+    errors_before = rpc.rpc_sync("worker1", bf.protocol_errors)
+    codec = Codec()
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, b"intruder")
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    rng = random.Random(5)
+    try:
+        # It introduces itself properly, so that it gets past HELLO and reaches the RPC layer.
+        raw.send_multipart(codec.encode(Message(MessageType.HELLO, 0, "intruder", {"identity": "intruder"})))
+        valid = codec.encode(Message(MessageType.PYTHON_CALL, 9, "intruder", {"x": torch.ones(4)}))
+        hostile = [
+            [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))] for _ in range(50)  # noise
+        ] + [
+            [msgpack.packb([PROTOCOL_VERSION + 7, 16, 1, "intruder", b""])],  # wrong version
+            [msgpack.packb([PROTOCOL_VERSION, 99, 1, "intruder", b""])],  # unknown type
+            [valid[0][: len(valid[0]) // 2]],  # truncated header
+            [valid[0]],  # descriptor without its frame
+            [valid[0], b"\0" * 3],  # frame of the wrong size
+            [valid[0], valid[1], b"extra"],  # a frame too many
+            [msgpack.packb([PROTOCOL_VERSION, 16, 2, "intruder", msgpack.packb({"f": 5, "a": 1})])],  # nonsense call
+            [b"x"] * 100_000,  # absurd frame count
+            [b"\0" * (LIMIT + 1)],  # oversize
+        ]
+        for frames in hostile:
+            raw.send_multipart(frames)
+        answers = 0
+        while raw.poll(2000):
+            answer = codec.decode(raw.recv_multipart())
+            assert answer.type in (MessageType.PROTOCOL_ERROR, MessageType.EXCEPTION, MessageType.HEARTBEAT, MessageType.HELLO)
+            answers += answer.type in (MessageType.PROTOCOL_ERROR, MessageType.EXCEPTION)
+        assert answers >= 55  # every hostile message it could address was answered
+        assert rpc.rpc_sync("worker1", bf.protocol_errors) - errors_before >= 50
+        # Still up, and right.
+        for i in range(20):
+            assert torch.equal(rpc.rpc_sync("worker1", torch.mul, args=(torch.ones(3), i)), torch.full((3,), float(i)))
+    finally:
+        raw.close()
+        context.term()
