@@ -177,6 +177,49 @@ class FaultyAgentRpcTest(FaultyCase):
     def test_udf_remote_message_dropped_timeout_to_self(self):
         self._test_remote_message_dropped_timeout(my_sleep_func, (2,), dst=0)
 
+    def _test_remote_message_delay_timeout(self, func, args, dst=None):
+        if self.rank != 0:
+            return
+        # The remote() message is delayed 2 s: a 1 ms timeout fails the RRef's creation.
+        dst_rank = dst if dst is not None else (self.rank + 1) % self.world_size
+        dst_worker = f"worker{dst_rank}"
+        rref = rpc.remote(dst_worker, func, args=args, timeout=0.001)
+        expected_error = self.get_timeout_error_regex()
+        with self.assertRaisesRegex(RuntimeError, expected_error):
+            rref._get_future().wait()
+        with self.assertRaisesRegex(RuntimeError, "RRef creation"):
+            rref.to_here()
+        if dst_rank != self.rank:
+            slow_rref = rpc.remote(dst_worker, func, args=args, timeout=2)
+            with self.assertRaisesRegex(RuntimeError, expected_error):
+                slow_rref.to_here(0.001)  # its fetch times out
+        # (torch then checks its owner/fork counts on the owner; here the leak check after
+        # every test covers what is left behind.)
+
+    @options(faulty_messages=[], messages_to_delay={"PYTHON_REMOTE_CALL": 2})
+    def test_udf_remote_message_delay_timeout(self):
+        self._test_remote_message_delay_timeout(my_sleep_func, (2,))
+
+    @options(faulty_messages=[], messages_to_delay={"PYTHON_REMOTE_CALL": 2})
+    def test_udf_remote_message_delay_timeout_to_self(self):
+        self._test_remote_message_delay_timeout(my_sleep_func, (1,), dst=0)
+
+    @options(faulty_messages=[], messages_to_delay={"SCRIPT_REMOTE_CALL": 2, "SCRIPT_RREF_FETCH_CALL": 1})
+    def test_remote_message_builtin_delay_timeout(self):
+        self._test_remote_message_delay_timeout(torch.add, (torch.tensor(1), torch.tensor(1)))
+
+    @options(faulty_messages=[], messages_to_delay={"SCRIPT_REMOTE_CALL": 2, "SCRIPT_RREF_FETCH_CALL": 1})
+    def test_remote_message_builtin_delay_timeout_to_self(self):
+        self._test_remote_message_delay_timeout(torch.add, (torch.tensor(1), torch.tensor(1)), dst=0)
+
+    @options(faulty_messages=[], messages_to_delay={"SCRIPT_REMOTE_CALL": 2, "SCRIPT_RREF_FETCH_CALL": 1})
+    def test_remote_message_script_delay_timeout(self):
+        self._test_remote_message_delay_timeout(my_script_func, (torch.tensor(1),))
+
+    @options(faulty_messages=[], messages_to_delay={"SCRIPT_REMOTE_CALL": 2, "SCRIPT_RREF_FETCH_CALL": 1})
+    def test_remote_message_script_delay_timeout_to_self(self):
+        self._test_remote_message_delay_timeout(my_script_func, (torch.tensor(1),), dst=0)
+
     @options(faulty_messages=[], messages_to_delay={"SCRIPT_RREF_FETCH_CALL": 1})
     def test_rref_to_here_timeout(self):
         if self.rank != 0:

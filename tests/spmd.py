@@ -60,6 +60,8 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
             outcome = ("error", traceback.format_exc())
         if destructive:  # torch's dist_init(clean_shutdown=False): leave without shutdown
             conn.send(outcome)
+            if rank == 0:  # it hosts the process group's store, which others may still read:
+                conn.recv()  # it stays until the harness kills the group
             os._exit(0)
         if outcome[0] == "ok":
             container = rpc.api._current().autograd

@@ -125,13 +125,28 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
     # is the RRef's creation error, raised when it is used (to_here, passing it on).
     if owned_here:  # the local handle exists before the call can run
         rref = RRef._owner_handle(context, rref_id, type_name)
+        rref._creation = torch.futures.Future()
+
+        def settled(done: torch.futures.Future) -> None:
+            try:
+                done.value()
+            except Exception as exc:  # not sent, or timed out: the value is that error
+                error = RuntimeError(f"RRef creation via rpc.remote() on {info} failed: {exc}")
+                context.fail_creation(rref_id, error)
+                if not rref._creation.done():
+                    rref._creation.set_exception(error)
+                return
+            if not rref._creation.done():
+                rref._creation.set_result(True)
+
         try:
-            agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+            sent = agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
         except TransportError as exc:
-            error = RuntimeError(f"RRef creation via rpc.remote() on {info} failed: {exc}")
-            context.fail_creation(rref_id, error)
-            rref._creation = torch.futures.Future()
-            rref._creation.set_exception(error)
+            failed: torch.futures.Future = torch.futures.Future()
+            failed.set_exception(exc)
+            settled(failed)
+            return rref
+        sent.add_done_callback(settled)
         return rref
     rref = RRef._user(context, rref_id, info.id, fork_id, type_name)
     try:

@@ -356,9 +356,13 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
         context.add_fork(rref_id, tuple(fork_id))
     future = context.owner_value(rref_id)
     try:
-        future.set_result(resolve_function(function)(*args, **kwargs))
+        value = resolve_function(function)(*args, **kwargs)
     except Exception as exc:  # raised to whoever fetches the value, as torch does
-        future.set_exception(exc)
+        if not future.done():
+            future.set_exception(exc)
+    else:
+        if not future.done():  # a remote() to ourselves that timed out already failed it
+            future.set_result(value)
     context.set_created(rref_id)
 
 
