@@ -3,6 +3,8 @@ counters proving that every node ran once per pass (FAST mode), on real worker p
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -124,3 +126,22 @@ def test_residual_across_root_sets_runs_stepwise_correctly(group):
         dist_autograd.backward(context_id, [loss])
         torch.testing.assert_close(dist_autograd.get_gradients(context_id)[a], a.grad)
         assert af.take_counts() == {"g": 1}
+
+
+def test_a_pass_waiting_for_gradients_that_never_come_fails_after_the_rpc_timeout(group):
+    """FAST mode: a send function whose result was never used keeps the pass waiting (torch
+    waits for ever; test_backward_unused_send_function checks it still waits after 10 s).
+    With nothing left in flight, the caller's pass fails after the RPC timeout instead."""
+    previous = rpc._get_rpc_timeout()
+    rpc._set_rpc_timeout(2)
+    try:
+        t1 = torch.rand(3, 3, requires_grad=True)
+        t2 = torch.rand(3, 3, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            rpc.rpc_sync("worker1", torch.add, args=(t1, t2))  # its result is not used
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match=r"no gradients arrived for 1 root\(s\).*within 2 s"):
+                dist_autograd.backward(context_id, [(t1 * t2).sum()])
+            assert 1.5 < time.monotonic() - started < 10
+    finally:
+        rpc._set_rpc_timeout(previous)

@@ -125,6 +125,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"):
         run = _start_pass(agent, autograd_context, container.new_message_id(), bool(retain_graph), edges)
         run.deliver(LOCAL_ROOT, [torch.ones_like(root, memory_format=torch.preserve_format) for root in roots])
+        run.watch_idle()
         with agent.pool.blocking():  # a UDF calling backward must not hold up the pool
             run.run_at_home()
         run.done.wait()
@@ -152,7 +153,9 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
     else:
         plan = Plan(roots)
         ctx.plan_cache = (key, plan)
-    run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients, home=local_edges is not None)
+    home = local_edges is not None
+    idle = (agent.default_timeout if agent.default_timeout > 0 else None) if home else None
+    run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients, home=home, idle_timeout=idle)
     if local_edges is not None:  # passes this worker started, by id (found even if the context is gone)
         _running[pass_id] = run
         run.done.add_done_callback(lambda _: _running.pop(pass_id, None))

@@ -200,6 +200,7 @@ class Pass:
     def __init__(
         self, context: DistAutogradContext, plan: Plan, pass_id: int, retain_graph: bool, worker_id: int,
         send_gradients: Callable[[Any, list, "Pass", bool], torch.futures.Future | None], home: bool = False,
+        idle_timeout: float | None = None,
     ):
         self.context = context
         self.plan = plan
@@ -225,6 +226,11 @@ class Pass:
         # The caller of backward() runs its pass's work itself (``run_at_home``): its
         # thread-local state (the profiler, grad mode) then applies, as torch's engine
         # carries the graph task's thread-local state to its worker threads.
+        # On the originator: how long the pass may sit with nothing in flight and work left
+        # (gradients that never come: a root whose sender's answer arrived without them, or
+        # FAST mode's unused send function) before it fails instead of waiting for ever.
+        self._idle_timeout = idle_timeout
+        self._idle_timer: threading.Timer | None = None
         self._home = threading.get_ident() if home else None
         self._home_queue: queue.SimpleQueue | None = queue.SimpleQueue() if home else None
         if home:
@@ -388,6 +394,35 @@ class Pass:
             finished = self._remaining == 0 and self._outstanding == 0
         if finished:
             self._finish()
+        else:
+            self.watch_idle()
+
+    def watch_idle(self) -> None:
+        """Arm the idle check when nothing is in flight but work remains (originator only)."""
+        if self._idle_timeout is None or self.done.done():
+            return
+        with self._lock:
+            if self._outstanding or not self._remaining or self._idle_timer is not None:
+                return
+            timer = self._idle_timer = threading.Timer(self._idle_timeout, self._idle_check, args=(self.node_runs,))
+        timer.daemon = True
+        timer.start()
+
+    def _idle_check(self, runs_when_armed: int) -> None:
+        with self._lock:
+            self._idle_timer = None
+            progressed = self.node_runs != runs_when_armed or self._outstanding
+            waiting = [str(k) for k, bit in self.plan.root_bits.items() if not self._delivered & bit]
+        if self.done.done():
+            return
+        if progressed:
+            self.watch_idle()
+            return
+        self.fail(RpcError(
+            f"backward pass {self.pass_id} of context {self.context.context_id}: no gradients arrived for "
+            f"{len(waiting)} root(s) (send functions {', '.join(waiting[:8])}) within {self._idle_timeout:.0f} s "
+            "with nothing else in flight (FAST mode waits for every send function of the context)"
+        ))
 
     def _finish(self) -> None:
         with self._lock:
