@@ -39,7 +39,6 @@ of them, in a driver-orchestrated pipeline).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -88,7 +87,6 @@ class Plan:
         self.roots = roots
         nodes, successors = _discover(roots)
         masks = self._masks(nodes, successors)
-        self.successors = successors
         self.group_of: dict[Any, int] = {}
         self.groups: list[_Group] = []
         by_mask: dict[int, _Group] = {}
@@ -318,7 +316,7 @@ class Pass:
         results: tuple = ()
         if buffer and group.captures:
             if group.stepwise:
-                results = _run_stepwise(group, buffer, plan.successors)
+                results = _run_stepwise(group, buffer)
             else:
                 outputs = [GradientEdge(node, slot) for node, slot in buffer]
                 results = torch.autograd.grad(
@@ -444,7 +442,7 @@ class Pass:
 _FINISHED = RpcError("finished")
 
 
-def _run_stepwise(group: _Group, entries: dict, successors: dict) -> tuple:
+def _run_stepwise(group: _Group, entries: dict) -> tuple:
     """Run a group's nodes one by one (topological order), each with the sum of its inputs;
     the gradients of its captured edges, in ``group.captures`` order."""
     members = set(group.nodes)
@@ -484,5 +482,3 @@ def _aliased(results: tuple) -> set[int]:
             counts[id(grad)] = counts.get(id(grad), 0) + 1
     return {key for key, count in counts.items() if count > 1}
 
-
-_pass_ids = itertools.count(1)
