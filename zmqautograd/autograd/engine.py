@@ -229,6 +229,8 @@ class Pass:
         # FAST mode's unused send function) before it fails instead of waiting for ever.
         self._idle_timeout = idle_timeout
         self._idle_timer: threading.Timer | None = None
+        if idle_timeout is not None:  # its thread must not outlive the pass (the soak test counts threads)
+            self.done.add_done_callback(lambda _: self._cancel_idle())
         self._home = threading.get_ident() if home else None
         self._home_queue: queue.SimpleQueue | None = queue.SimpleQueue() if home else None
         if home:
@@ -405,6 +407,14 @@ class Pass:
             timer = self._idle_timer = threading.Timer(self._idle_timeout, self._idle_check, args=(self.node_runs,))
         timer.daemon = True
         timer.start()
+        if self.done.done():  # finished while we armed it: its callback may have run already
+            self._cancel_idle()
+
+    def _cancel_idle(self) -> None:
+        with self._lock:
+            timer, self._idle_timer = self._idle_timer, None
+        if timer is not None:
+            timer.cancel()
 
     def _idle_check(self, runs_when_armed: int) -> None:
         with self._lock:
