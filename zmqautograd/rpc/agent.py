@@ -10,8 +10,8 @@ from __future__ import annotations
 import heapq
 import ipaddress
 import itertools
-import os
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -254,6 +254,8 @@ class Agent:
         lost (timeout), it is sent again after ``retry_delay``, then ``retry_backoff`` times
         longer each time, up to ``max_retries`` more times. Only for idempotent receivers.
         A lost peer or an error raised by the function itself is final."""
+        if message_type not in RETRYABLE_TYPES:
+            raise ValueError(f"{message_type.name} is not a retryable message type (its receiver may not be idempotent)")
         result: torch.futures.Future = torch.futures.Future()
         options = self.options
         with self._lock:  # graceful shutdown waits for these too, between tries included
