@@ -104,6 +104,7 @@ class MessageType(int):
 # The transport's own control messages.
 for _code, _name in enumerate(("HELLO", "HEARTBEAT", "GOODBYE", "PROTOCOL_ERROR"), start=1):
     MessageType.register(_name, _code)
+CONTROL_TYPES = frozenset(MessageType.lookup(code) for code in range(1, 5))
 
 # The seeds' RPC and distributed autograd message types (torch/csrc/distributed/rpc/message.h).
 # TorchScript variants are left out: this runtime has no TorchScript.

@@ -39,10 +39,11 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from .codec import Codec, Envelope, Message, MessageType
 from . import faults
-from .security import ZAP_ENDPOINT, ClusterKeys
+from .codec import CONTROL_TYPES as _CONTROL_TYPES
+from .codec import Codec, Envelope, Message, MessageType
 from .faults import FaultPolicy
+from .security import ZAP_ENDPOINT, ClusterKeys
 from .errors import (
     DeviceMapError,
     EndpointClosedError,
@@ -56,11 +57,8 @@ from .errors import (
 
 log = logging.getLogger(__name__)
 
-_CONTROL_TYPES = frozenset(
-    {MessageType.HELLO, MessageType.HEARTBEAT, MessageType.GOODBYE, MessageType.PROTOCOL_ERROR}
-)
-_RECV_BATCH = 256
-_ZERO_COPY_MIN = 1 << 16  # messages received per loop turn before the outbox gets a look again
+_RECV_BATCH = 256  # messages received per loop turn before the outbox gets a look again
+_ZERO_COPY_MIN = 1 << 16  # smaller messages are copied into their frames (cheaper to set up)
 _endpoint_serial = itertools.count()
 
 

@@ -12,8 +12,8 @@ Mirrors the options of torch's faulty RPC agent so that its tests port, plus net
 
 Also settable without touching a program: ``ZMQAUTOGRAD_FAULTS`` holds the same options as
 JSON, e.g. ``{"messages_to_fail": ["RREF_FORK_REQUEST"], "num_fail_sends": 3}``.
-Transport control messages (HELLO, HEARTBEAT, GOODBYE) are never failed or delayed; only a
-partition stops them.
+Transport control messages (HELLO, HEARTBEAT, GOODBYE, PROTOCOL_ERROR) are never failed, dropped
+at random or delayed; only a partition stops them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .codec import MessageType
+from .codec import CONTROL_TYPES, MessageType
 
 ENVIRONMENT_VARIABLE = "ZMQAUTOGRAD_FAULTS"
 
@@ -36,7 +36,6 @@ _ALIASES = {
     "SCRIPT_REMOTE_CALL": "PYTHON_REMOTE_CALL",
     "SCRIPT_RREF_FETCH_CALL": "PYTHON_RREF_FETCH_CALL",
 }
-_NEVER = frozenset({"HELLO", "HEARTBEAT", "GOODBYE", "PROTOCOL_ERROR"})
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ class FaultPolicy:
             if peer in self._partitioned:
                 self.injected["dropped"] += 1
                 return Decision(drop=True)
-            if name in _NEVER:
+            if message_type in CONTROL_TYPES:  # transport control: never failed, dropped or delayed
                 return SEND
             if name in self._fail:
                 count = self._failed.get(name, 0)

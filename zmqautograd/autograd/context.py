@@ -101,14 +101,18 @@ class DistAutogradContext:
                 if not (may_steal and _obeys_layout(variable, grad)):
                     grad = _clone_like(variable, grad)
                 self._grads[variable] = grad
-            elif old.is_sparse and not grad.is_sparse:
-                self._grads[variable] = grad + old
             else:
-                self._grads[variable] = old + grad
+                self._grads[variable] = add_gradients(old, grad)
 
     def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
         with self._lock:
             return dict(self._grads)
+
+
+def add_gradients(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Out-of-place sum of two gradients of one tensor (a dense one on the left when the
+    other is sparse: sparse + dense is not defined)."""
+    return new + old if old.is_sparse and not new.is_sparse else old + new
 
 
 def _obeys_layout(variable: torch.Tensor, grad: torch.Tensor) -> bool:

@@ -49,7 +49,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 
 from ..rpc.errors import RpcError
-from .context import DistAutogradContext
+from .context import DistAutogradContext, add_gradients
 from .functions import is_leaf_node, is_recv_node, recv_info
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ class _Group:
     nodes: list
     captures: list = field(default_factory=list)  # edges leaving the group, deduplicated
     feeders: set = field(default_factory=set)  # indices of groups with edges into this one
+    feeds: list = field(default_factory=list)  # indices of the groups it has edges into
+    recv_targets: list = field(default_factory=list)  # recv functions among its exits
     stepwise: bool = False  # its exits chain: run node by node (see the module docstring)
 
 
@@ -120,6 +122,8 @@ class Plan:
                     self.exits[node].direct_roots |= self.root_bits[key]
         for group in self.groups:
             group.stepwise = _chained(group, successors)
+            group.feeds = [other.index for other in self.groups if group.index in other.feeders]
+            group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if is_recv_node(t)))
 
     def _masks(self, nodes: list, successors: dict) -> dict[Any, int]:
         masks = {node: 0 for node in nodes}
@@ -252,12 +256,8 @@ class Pass:
                 raise RpcError(f"backward pass {self.pass_id}: root {key!r} delivered twice")
             self._delivered |= bit
             for (node, slot), grad in zip(plan.roots[key], grads):
-                if grad is None:
-                    continue
-                if node in plan.exits:
-                    self._add(self._exit_buffers.setdefault(node, {}), slot, grad)
-                else:
-                    self._add(self._buffers[plan.group_of[node]], (node, slot), grad)
+                if grad is not None:
+                    self._buffer(node, slot, grad)
             for node, exit_ in plan.exits.items():
                 if exit_.direct_roots & bit and node in self._exit_waiting:
                     self._exit_waiting[node] -= 1
@@ -286,7 +286,14 @@ class Pass:
     @staticmethod
     def _add(buffer: dict, key: Any, grad: torch.Tensor) -> None:
         old = buffer.get(key)
-        buffer[key] = grad if old is None else (grad + old if old.is_sparse and not grad.is_sparse else old + grad)
+        buffer[key] = grad if old is None else add_gradients(old, grad)
+
+    def _buffer(self, node: Any, slot: int, grad: torch.Tensor) -> None:  # caller holds the lock
+        """Add ``grad`` to what waits for ``node`` (a recv function, or a group's entry)."""
+        if is_recv_node(node):
+            self._add(self._exit_buffers.setdefault(node, {}), slot, grad)
+        else:
+            self._add(self._buffers[self.plan.group_of[node]], (node, slot), grad)
 
     def _ready_groups(self) -> list[int]:  # caller holds the lock
         ready = []
@@ -312,7 +319,7 @@ class Pass:
                 self._fire_recv(node)
 
     def _run_group(self, index: int) -> tuple[list[int], list]:
-        plan, group = self.plan, self.plan.groups[index]
+        group = self.plan.groups[index]
         with self._lock:
             buffer, self._buffers[index] = self._buffers[index], {}
         results: tuple = ()
@@ -337,19 +344,15 @@ class Pass:
                     # Outside the lock would be nicer; the context has its own lock and
                     # accumulating is cheap next to the group's backward.
                     self.context.accumulate_grad(target.variable, grad, may_steal=id(grad) not in aliased and grad._use_count() <= 1)
-                elif is_recv_node(target):
-                    self._add(self._exit_buffers.setdefault(target, {}), slot, grad)
                 else:
-                    self._add(self._buffers[plan.group_of[target]], (target, slot), grad)
+                    self._buffer(target, slot, grad)
             results = ()
-            for target in {t for t, _ in group.captures}:
-                if is_recv_node(target):
-                    self._exit_waiting[target] -= 1
-                    if self._exit_waiting[target] == 0:
-                        fire.append(target)
-            for other in plan.groups:
-                if index in other.feeders:
-                    self._waiting_feeders[other.index] -= 1
+            for target in group.recv_targets:
+                self._exit_waiting[target] -= 1
+                if self._exit_waiting[target] == 0:
+                    fire.append(target)
+            for other in group.feeds:
+                self._waiting_feeders[other] -= 1
             ready = self._ready_groups()
             self._remaining -= 1
             finished = self._remaining == 0 and self._outstanding == 0
