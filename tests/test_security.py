@@ -4,6 +4,7 @@ handshake, before any of their bytes reach the codec."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -26,8 +27,9 @@ def _server(received: list, arrived: threading.Condition) -> Endpoint:
     return Endpoint("server", "tcp://127.0.0.1:0", on_message=on_message, options=EndpointOptions(cluster_secret=SECRET))
 
 
-def _stranger_sends(address: str, configure) -> None:
-    """A raw pyzmq peer that tries to get a message through."""
+def _stranger_sends(address: str, configure, until=None) -> None:
+    """A raw pyzmq peer that tries to get a message through; it stays connected until
+    ``until()`` holds (at most 10 s) or, without one, for half a second."""
     context = zmq.Context()
     try:
         dealer = context.socket(zmq.DEALER)
@@ -37,8 +39,10 @@ def _stranger_sends(address: str, configure) -> None:
         dealer.connect(address)
         for _ in range(5):
             dealer.send_multipart([b"\x95\x01\x10\x01\xa8stranger\xc4\x00"], flags=zmq.NOBLOCK)
-        # A stranger's connection never completes: nothing to wait on but its own attempts.
-        dealer.poll(500)
+        # A stranger's connection never completes: what it waits for is the server's side.
+        deadline = time.monotonic() + (10 if until else 0.5)
+        while time.monotonic() < deadline and not (until and until()):
+            dealer.poll(50)
         dealer.close()
     finally:
         context.term()
@@ -71,7 +75,7 @@ def test_members_talk_and_strangers_are_refused_before_decoding():
             socket.curve_publickey = public
             socket.curve_secretkey = secret
 
-        _stranger_sends(server.address, leaked)
+        _stranger_sends(server.address, leaked, until=lambda: server.refused_connections >= 1)
 
         # Nothing of theirs was decoded or even counted as a peer's traffic ...
         assert set(server.stats()) == {"member"}
