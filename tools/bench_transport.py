@@ -87,7 +87,7 @@ def _endpoint_server(address_queue: mp.Queue) -> None:
     stop = threading.Event()
 
     def echo(message: Message) -> None:
-        if message.payload == "stop":
+        if isinstance(message.payload, str) and message.payload == "stop":
             stop.set()
             return
         endpoint.send(message.sender, Message(MessageType.PYTHON_RET, message.id, "server", message.payload))

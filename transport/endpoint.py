@@ -1,16 +1,27 @@
-"""A ZeroMQ endpoint: one ROUTER socket per worker, owned by one I/O thread.
+"""A ZeroMQ endpoint: one ROUTER socket per worker, guarded by one socket lock.
 
 Threads:
 
-* the **I/O thread** owns every ZeroMQ socket of the endpoint (the ROUTER, the inproc wake-up
-  socket and the monitor socket). It sends what other threads queued, receives, validates
-  envelopes, answers transport control messages, sends heartbeats and watches for dead peers.
+* the **I/O thread** owns the endpoint's auxiliary sockets (the inproc wake-up socket, the
+  monitor socket, the ZAP socket) and does everything on the ROUTER except the sending of
+  application messages: it receives, validates envelopes, answers transport control messages,
+  sends heartbeats, connects and watches for dead peers.
 * the **dispatcher thread** decodes payloads and runs the user's callbacks, so a slow handler
   never stalls the socket. Messages of one peer reach ``on_message`` in the order they were
   sent; a peer's loss is reported after every message that arrived from it.
-* any other thread may call :meth:`Endpoint.send`: it encodes the message on its own thread,
-  appends it to the outbox and, only if the I/O thread is asleep, wakes it through a
-  thread-local inproc PUSH socket.
+* any other thread may call :meth:`Endpoint.send`: it encodes the message on its own thread and
+  sends it on the ROUTER itself, holding the socket lock (or, when older messages still wait
+  in the outbox, appends it there and wakes the I/O thread).
+
+The ROUTER is used by one thread at a time, never concurrently: every use happens under
+``_socket_lock``, which is also the full memory barrier libzmq asks for when a socket moves
+between threads. The I/O thread does not block inside libzmq on the ROUTER: it polls the
+socket's ``ZMQ_FD`` (a plain file descriptor), so it holds the lock only while it works. This
+saves the thread hand-over per message that a socket-owning I/O thread costs (two context
+switches and a GIL hand-over on every send, measured in docs/transport.md). ``ZMQ_FD`` is
+edge-triggered: any use of the socket may consume its signal, so a thread that sent checks
+``ZMQ_EVENTS`` afterwards and wakes the I/O thread when input is waiting; the I/O thread
+checks it before it sleeps.
 
 Connections: between two endpoints exactly one connects (the one whose identity sorts first,
 when both use :meth:`Endpoint.add_peer`) and sends HELLO; the other answers HELLO. ZeroMQ's
@@ -60,6 +71,12 @@ log = logging.getLogger(__name__)
 _RECV_BATCH = 256  # messages received per loop turn before the outbox gets a look again
 _ZERO_COPY_MIN = 1 << 16  # smaller messages are copied into their frames (cheaper to set up)
 _endpoint_serial = itertools.count()
+# Plain ints: pyzmq's constants are enum members, and mixing them costs enum arithmetic on
+# every message (measured: ~9 enum constructions per received message).
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 
 
 @dataclass
@@ -179,6 +196,10 @@ class Endpoint:
         self._identity_bytes = identity.encode()
 
         self._lock = threading.Lock()  # guards the peer table, outbox hand-over and closing
+        # Held for every use of the ROUTER (see the module's docstring). Lock order: the socket
+        # lock first, then ``_lock``; never the other way round.
+        self._socket_lock = threading.Lock()
+        self._router_open = False
         self._peers: dict[str, _Peer] = {}
         self._stats: dict[str, PeerStats] = {}
         self._outbox: deque = deque()
@@ -297,7 +318,23 @@ class Endpoint:
                 raise UnknownPeerError(peer, f"{self.identity}: unknown peer {peer!r}")
             if record.lost_error is not None:
                 raise PeerLostError(peer, str(record.lost_error))
-            self._post_locked(("send", peer, message_id, frames, nbytes))
+            if self._outbox:  # older messages wait there: this one goes behind them
+                self._post_locked(("send", peer, message_id, frames, nbytes))
+                return
+        with self._socket_lock:
+            if not self._router_open:
+                raise EndpointClosedError(f"endpoint {self.identity!r} is closed")
+            if self._outbox:  # someone queued meanwhile; keep the order
+                with self._lock:
+                    self._post_locked(("send", peer, message_id, frames, nbytes))
+                return
+            self._send_to_peer(peer, message_id, frames, nbytes)
+            # Our send may have consumed the ROUTER's edge-triggered wake-up for input that
+            # arrived meanwhile, or found the connection gone: then the I/O thread must look.
+            needs_io = bool(self._router.get(_EVENTS) & _POLLIN) or bool(self._closing)
+        if needs_io and self._io_asleep:
+            with self._lock:
+                self._wake_io_locked()
 
     def recv(self, timeout: float | None = None) -> Message:
         """The next incoming message (only without ``on_message``). A message whose payload
@@ -366,6 +403,10 @@ class Endpoint:
     def _post_locked(self, command: tuple) -> None:
         """Queue a command for the I/O thread (caller holds the lock)."""
         self._outbox.append(command)
+        self._wake_io_locked()
+
+    def _wake_io_locked(self) -> None:
+        """Wake the I/O thread if it sleeps (caller holds the lock)."""
         if self._io_asleep:
             self._io_asleep = False
             self._wake_socket().send(b"", zmq.NOBLOCK)
@@ -409,7 +450,8 @@ class Endpoint:
             log.exception("endpoint %s: I/O thread failed", self.identity)
             with self._lock:
                 self._closed = True
-            self._fail_all_peers("the endpoint's I/O thread failed")
+            with self._socket_lock:
+                self._fail_all_peers("the endpoint's I/O thread failed")
         finally:
             self._close_sockets(linger=self.options.close_linger)
 
@@ -441,8 +483,11 @@ class Endpoint:
                 address = address[:-2] + ":*"
             router.bind(address)
             self.addresses.append(router.getsockopt(zmq.LAST_ENDPOINT).decode())
+        # The ROUTER's own descriptor, not the socket: polling it touches no libzmq state, so
+        # other threads may send while this one waits.
+        self._router_fd = router.getsockopt(zmq.FD)
         self._poller = zmq.Poller()
-        self._poller.register(router, zmq.POLLIN)
+        self._poller.register(self._router_fd, zmq.POLLIN)
         self._poller.register(self._wake_pull, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         if self._zap is not None:
@@ -451,8 +496,11 @@ class Endpoint:
         self._by_fd: dict[int, str] = {}  # accepted connection fd -> peer
         self._closing: dict[str, str] = {}  # peers whose connection is gone -> why
         self._heartbeat_frames = self.codec.encode(Message(MessageType.HEARTBEAT, 0, self.identity))
+        self._router_open = True
 
     def _close_sockets(self, linger: float) -> None:
+        with self._socket_lock:
+            self._router_open = False  # senders now get EndpointClosedError
         router = getattr(self, "_router", None)
         if router is not None:
             try:
@@ -470,36 +518,46 @@ class Endpoint:
         next_tick = time.monotonic() + interval
         poll = self._poller.poll
         wake, monitor, router = self._wake_pull, self._monitor, self._router
+        socket_lock = self._socket_lock
         while True:
             timeout_ms = 0
             with self._lock:
-                if not self._outbox:
-                    self._io_asleep = True  # from here on, a sender must wake us
+                # From here on, a thread that queues a command or finds input waiting after
+                # its own send must wake us.
+                self._io_asleep = not self._outbox
+            if self._io_asleep:
+                # Checked after going to sleep: input that a sender's send made us miss on the
+                # descriptor is either seen here or makes that sender wake us.
+                with socket_lock:
+                    idle = not router.get(_EVENTS) & _POLLIN and not self._closing
+                if idle:
                     timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
             ready = dict(poll(timeout_ms))
             # Unlocked: a sender that still sees True only sends one wake-up too many.
             self._io_asleep = False
             if wake in ready:
-                while wake.get(zmq.EVENTS) & zmq.POLLIN:
+                while wake.get(_EVENTS) & _POLLIN:
                     wake.recv()
-            if router in ready:
+            with socket_lock:
                 self._receive_batch()
-            if monitor in ready:
-                self._read_monitor()
-            if self._zap is not None and self._zap in ready:
-                self._authenticate()
-            if not self._drain_outbox():
-                return
-            if self._closing:
-                self._declare_gone_peers_lost()
-            now = time.monotonic()
-            if now >= next_tick:
-                self._tick(now)
-                next_tick = now + interval
+                if monitor in ready:
+                    self._read_monitor()
+                if self._zap is not None and self._zap in ready:
+                    self._authenticate()
+                if not self._drain_outbox():
+                    return
+                if self._closing:
+                    self._declare_gone_peers_lost()
+                now = time.monotonic()
+                if now >= next_tick:
+                    self._tick(now)
+                    next_tick = now + interval
 
     def _drain_outbox(self) -> bool:
-        """Execute queued commands; False once told to close. Only this thread pops the
-        outbox, and deque operations are atomic, so popping needs no lock."""
+        """Execute queued commands (under the socket lock); False once told to close. Only
+        this thread pops the outbox, and deque operations are atomic, so popping needs no
+        ``_lock``; a sender that finds the outbox empty under the socket lock knows that
+        everything queued before went out."""
         outbox = self._outbox
         while outbox:
             command = outbox.popleft()
@@ -545,8 +603,9 @@ class Endpoint:
         self._send_to_peer(peer, 0, hello, _frames_nbytes(hello))
 
     def _send_to_peer(self, peer: str, message_id: int, frames: list, nbytes: int) -> None:
-        # Peer states change on this thread only (records are created under the lock by
-        # other threads, and a dict lookup is atomic), so no lock is needed here.
+        # Caller holds the socket lock. Peer states change on the I/O thread only, under the
+        # socket lock (records are created under ``_lock`` by other threads, and a dict lookup
+        # is atomic), so no other lock is needed here.
         record = self._peers.get(peer)
         if record is not None and record.state is PeerState.EXPECTED:
             record.waiting.append((message_id, frames, nbytes))
@@ -559,7 +618,13 @@ class Endpoint:
         try:
             # Zero-copy frames cost more to set up than small copies: only big messages use them.
             copy = nbytes < _ZERO_COPY_MIN
-            self._router.send_multipart([record.routing_id, *frames], flags=zmq.NOBLOCK, copy=copy)
+            # send_multipart, unrolled: it costs a few Python checks per frame. With
+            # ROUTER_MANDATORY an unreachable peer fails on the routing id, before any frame.
+            send = self._router.send
+            send(record.routing_id, _MORE_NOBLOCK)
+            last = len(frames) - 1
+            for index, frame in enumerate(frames):
+                send(frame, _NOBLOCK if index == last else _MORE_NOBLOCK, copy=copy)
         except zmq.ZMQError as exc:
             stats.send_errors += 1
             reason = "send failed: " + ("no connection to it" if exc.errno == zmq.EHOSTUNREACH else str(exc))
@@ -577,7 +642,7 @@ class Endpoint:
     def _receive_batch(self) -> None:
         router = self._router
         for _ in range(_RECV_BATCH):
-            if not router.get(zmq.EVENTS) & zmq.POLLIN:  # cheaper than catching zmq.Again
+            if not router.get(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
                 return
             self._handle_incoming(router.recv_multipart(copy=False))
 

@@ -39,6 +39,7 @@ from ..autograd.context import ContextContainer
 log = logging.getLogger(__name__)
 
 EXT_RREF = 18
+_TIMER_SLACK = 0.005  # timeouts fire up to this late, so that expiry runs in batches
 
 
 # Each request type and the type of its answer (the seeds' names). All requests carry a
@@ -223,8 +224,12 @@ class Agent:
             if barrier:
                 self._barrier_ids.add(message_id)
             if timeout > 0:
-                heapq.heappush(self._deadlines, (time.monotonic() + timeout, message_id))
-                self._deadline_changed.notify()
+                deadline = time.monotonic() + timeout
+                # Wake the timer thread only when this deadline comes first: with one timeout
+                # for every call that is rare, and a wake-up per call costs a context switch.
+                if not self._deadlines or deadline < self._deadlines[0][0]:
+                    self._deadline_changed.notify()
+                heapq.heappush(self._deadlines, (deadline, message_id))
         try:
             tensors: list = []
             frames = self.codec.encode(message, tensors)
@@ -512,7 +517,10 @@ class Agent:
                     finally:
                         self._lock.acquire()
                     continue
-                wait = self._deadlines[0][0] - now if self._deadlines else None
+                # Expiry is batched _TIMER_SLACK apart: the heap keeps the deadlines of calls
+                # that completed (they are dropped when they come up), and waking for each of
+                # them would cost a context switch per call.
+                wait = self._deadlines[0][0] - now + _TIMER_SLACK if self._deadlines else None
                 self._deadline_changed.wait(wait)
 
     # -------------------------------------------------------------------------- shutdown

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import io
 import pickle
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -29,15 +30,42 @@ EXT_FUNCTION = 17
 
 
 def _resolve(module: str, qualname: str) -> Any:
-    obj: Any = importlib.import_module(module)
+    obj: Any = sys.modules.get(module) or importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
 
 
+# function -> its reference, for functions called before: finding a reference tries several
+# candidate names (~5 us a call); checking a known one is one lookup. Bounded: only
+# module-level objects get here, and a program has a limited number of those.
+_known_references: dict[Any, tuple[str, str]] = {}
+_KNOWN_REFERENCES_MAX = 4096
+
+
 def function_reference(function: Callable) -> tuple[str, str] | None:
     """(module, qualified name) that resolves back to ``function`` on an importing process,
     or None when there is none (lambdas, closures, bound methods of objects)."""
+    try:
+        known = _known_references.get(function)
+    except TypeError:  # unhashable callable
+        known = None
+    if known is not None:
+        try:
+            if _resolve(*known) is function:  # still what that name means
+                return known
+        except (ImportError, AttributeError):
+            pass
+    reference = _find_reference(function)
+    if reference is not None and len(_known_references) < _KNOWN_REFERENCES_MAX:
+        try:
+            _known_references[function] = reference
+        except TypeError:
+            pass
+    return reference
+
+
+def _find_reference(function: Callable) -> tuple[str, str] | None:
     candidates = []
     module = getattr(function, "__module__", None)
     for name in (getattr(function, "__qualname__", None), getattr(function, "__name__", None)):
