@@ -104,3 +104,15 @@ def test_blocking_starts_a_replacement_at_once():
     finally:
         pool.shutdown(timeout=10)
     assert outcome == [True]
+
+
+def test_a_failing_call_does_not_cost_a_thread(pool):
+    def fail() -> None:
+        raise ValueError("boom")
+
+    for _ in range(5):
+        pool.submit(fail)
+    ran = threading.Event()
+    pool.submit(ran.set)
+    assert ran.wait(10)
+    assert all(thread.is_alive() for thread in pool._threads)

@@ -159,7 +159,9 @@ class ElasticPool:
                     self._running[me] = time.monotonic()
                     self._lock.release()
                     try:
-                        function(*args)  # submitted functions handle their own errors
+                        function(*args)  # submitted functions handle their own errors...
+                    except Exception:  # ...but a thread must never die of one
+                        log.exception("pool %s: %s failed", self.name, getattr(function, "__qualname__", function))
                     finally:
                         del function, args  # release the call's data before waiting again
                         self._lock.acquire()
