@@ -240,15 +240,17 @@ class Codec:
 
     # -------------------------------------------------------------------------------- encode
 
-    def encode(self, message: Message, tensors: list | None = None) -> list[Any]:
+    def encode(self, message: Message, tensors: list | None = None, placement: Callable | None = None) -> list[Any]:
         """Frames for ``message``: the envelope, then one buffer per tensor. ``tensors``, when
-        given, receives the tensors found in the payload."""
+        given, receives the tensors found in the payload. ``placement(device)``, when given,
+        names the device each CUDA tensor is to land on at the receiver (a device map applied
+        by the sender); it may raise ``DeviceMapError``."""
         if not isinstance(message.type, int) or int(message.type) not in MessageType._by_code:
             raise LocalProtocolError(f"unknown message type {message.type!r}")
         if not isinstance(message.id, int) or not 0 <= message.id <= MAX_MESSAGE_ID:
             raise LocalProtocolError(f"message id must be an int in [0, 2**64), got {message.id!r}")
         _check_sender(message.sender, LocalProtocolError)
-        encoder = TensorEncoder(1, self.copy_threshold, self.pinned_pool, tensors)
+        encoder = TensorEncoder(1, self.copy_threshold, self.pinned_pool, tensors, placement)
         payload = _PayloadPacker(self, encoder).pack(message.payload)
         envelope = msgpack.packb(
             [PROTOCOL_VERSION, int(message.type), message.id, message.sender, payload], use_bin_type=True

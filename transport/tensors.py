@@ -111,8 +111,12 @@ class TensorEncoder:
         copy_threshold: int = DEFAULT_COPY_THRESHOLD,
         pinned_pool: PinnedBufferPool | None = None,
         collected: list | None = None,
+        placement: Callable[[torch.device], str] | None = None,
     ):
         self.buffers: list[Buffer] = []
+        # Where each CUDA tensor is to land at the receiver (a device map applied by the
+        # sender); None: on the device of the same name.
+        self._placement = placement
         # The message's tensors as given (the autograd layer needs them: which require grad).
         self.collected = collected
         self._first = first_frame_index
@@ -159,7 +163,7 @@ class TensorEncoder:
             device = "cpu"
             buffer = self._cpu_buffer(data, nbytes)
         elif data.is_cuda:
-            device = str(data.device)
+            device = self._placement(data.device) if self._placement is not None else str(data.device)
             buffer = self._stage_cuda(data.detach(), nbytes)
         else:
             raise LocalProtocolError(f"cannot send a tensor on device {data.device}")

@@ -178,11 +178,14 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool) -> to
     when ``run`` does not wait for the answer)."""
     agent = _agent()
     args = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads)
+    # Back the way the tensors came: the inverse of the map they arrived through.
+    peer = agent.worker_info(info.from_worker).name
+    placement = agent.placement.request(peer) if info.in_response else agent.placement.response(peer)
     if not awaited:
-        agent.notify(info.from_worker, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ)
+        agent.notify(info.from_worker, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ, placement)
         return None
     return agent.call(info.from_worker, _backward_request, args, None, -1.0,
-                      message_type=MessageType.BACKWARD_AUTOGRAD_REQ)
+                      message_type=MessageType.BACKWARD_AUTOGRAD_REQ, placement=placement)
 
 
 def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list) -> torch.futures.Future:

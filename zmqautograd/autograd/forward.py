@@ -68,7 +68,9 @@ def record_recv(container: ContextContainer, metadata: Any, tensors: list, from_
     context.add_known_worker(from_worker)
     needing_grad = [t for t in tensors if t.requires_grad]
     if needing_grad:
-        context.add_recv_function(message_id, attach_recv_node(needing_grad, context_id, message_id, from_worker))
+        context.add_recv_function(
+            message_id, attach_recv_node(needing_grad, context_id, message_id, from_worker, response)
+        )
     return context
 
 

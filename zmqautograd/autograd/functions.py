@@ -28,6 +28,9 @@ class RecvInfo:
     from_worker: int
     # Shapes and dtypes of the received tensors, for the gradients of unused ones.
     metadata: tuple
+    # Whether the tensors came in a response (else a request): gradients go back the way
+    # their tensors came, so this picks the device map they follow (rpc/devices.py).
+    in_response: bool = False
 
 
 class SendRpc(torch.autograd.Function):
@@ -87,12 +90,14 @@ def make_send_node(tensors: list[torch.Tensor]) -> Any:
     return outputs[0].grad_fn
 
 
-def attach_recv_node(tensors: list[torch.Tensor], context_id: int, message_id: int, from_worker: int) -> Any:
+def attach_recv_node(
+    tensors: list[torch.Tensor], context_id: int, message_id: int, from_worker: int, in_response: bool = False
+) -> Any:
     """Make a RecvRpcBackward node the grad_fn of ``tensors`` (received, requiring grad), in
     place: the payload the tensors came in already refers to these tensor objects (possibly
     from inside unpickled objects), so their contents are swapped, not the objects."""
     metadata = tuple((t.shape, t.dtype, t.device, t.layout) for t in tensors)
-    info = RecvInfo(context_id, message_id, from_worker, metadata)
+    info = RecvInfo(context_id, message_id, from_worker, metadata, in_response)
     plain = [t.detach() for t in tensors]
     anchor = torch.empty(0, requires_grad=True)
     with torch.enable_grad():

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from transport import (
-    EndpointClosedError, Envelope, Extension, FaultPolicy, InjectedFaultError, LocalProtocolError, Message, MessageType,
+    DeviceMapError, EndpointClosedError, Envelope, Extension, FaultPolicy, InjectedFaultError, LocalProtocolError, Message, MessageType,
     PeerLostError, TransportError, UnknownPeerError,
 )
 from transport import faults as transport_faults
@@ -28,6 +28,7 @@ from transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
 from transport.endpoint import Endpoint, EndpointOptions
 
 from .errors import RpcError, RpcTimeoutError, SerializationError
+from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 from .pool import ElasticPool
 from .rendezvous import Member, Rendezvous, advertise_address
@@ -158,15 +159,32 @@ class Agent:
         self._timer = threading.Thread(target=self._expire_loop, name=f"rpc-timeouts-{name}", daemon=True)
         self._timer.start()
         try:
-            members = rendezvous.exchange(name, self.endpoint.address)
+            members = rendezvous.exchange(name, self.endpoint.address, self._device_record())
             self._set_members(members)
         except BaseException:
             self._close_now("init_rpc failed")
             raise
 
+    def _device_record(self) -> dict:
+        """What peers need of our devices: our maps (checked by all), devices, CUDA count."""
+        return {
+            "maps": encode_maps(self.options.device_maps),
+            "devices": [str(d) for d in self.options.devices],
+            "count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        }
+
     def _set_members(self, members: list[Member]) -> None:
         self.workers = {m.name: WorkerInfo(m.name, m.rank) for m in members}
         self.workers_by_id = {info.id: info for info in self.workers.values()}
+        names = [m.name for m in members]
+        maps = {m.name: decode_maps(m.devices.get("maps", {})) for m in members}
+        validate_device_maps(
+            names,
+            {m.name: int(m.devices.get("count", 0)) for m in members},
+            maps,
+            {m.name: [torch.device(d) for d in m.devices.get("devices", [])] for m in members},
+        )
+        self.placement = DevicePlacement(self.info.name, maps)
         for member in members:
             if member.rank != self.rank:
                 self.endpoint.add_peer(str(member.rank), member.address)
@@ -199,10 +217,12 @@ class Agent:
     def call(
         self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
         message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
+        placement: Placement | None = None,
     ) -> Any:
         """Send a call; the returned future (a _SyncSlot when ``sync``) completes with its
         result or exception. ``barrier`` marks the shutdown barrier's own call, which
-        ``wait_outstanding`` does not count."""
+        ``wait_outstanding`` does not count. ``placement``: where CUDA tensors land at the
+        callee (default: this worker's device map to it)."""
         info = self.worker_info(to)
         if args is not None and not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple or list, got {type(args).__qualname__}")
@@ -232,7 +252,7 @@ class Agent:
                 heapq.heappush(self._deadlines, (deadline, message_id))
         try:
             tensors: list = []
-            frames = self.codec.encode(message, tensors)
+            frames = self.codec.encode(message, tensors, placement or self.placement.request(info.name))
             if autograd is not None:
                 autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
             del tensors
@@ -307,7 +327,8 @@ class Agent:
         attempt(0)
         return result
 
-    def notify(self, to: Any, function: Callable, args: Any, message_type: MessageType) -> None:
+    def notify(self, to: Any, function: Callable, args: Any, message_type: MessageType,
+               placement: Placement | None = None) -> None:
         """A one-way call: it runs on ``to`` and is never answered (its errors are logged
         there). Raises only when it cannot be sent. For protocols that learn the outcome
         another way (distributed autograd's gradients to the pass's originator)."""
@@ -315,7 +336,7 @@ class Agent:
         payload = {"f": encode_function(function), "a": tuple(args or ()), "k": {}, "n": 1}
         message = Message(message_type, next(self._ids), str(self.rank), payload)
         try:
-            self._transmit(info, message, self.codec.encode(message))
+            self._transmit(info, message, self.codec.encode(message, None, placement or self.placement.request(info.name)))
         except (TransportError, SerializationError) as exc:
             raise _with_context(exc, f"cannot send a one-way call to {info}") from None
 
@@ -447,7 +468,8 @@ class Agent:
             reply = Message(REQUEST_TYPES[request.type], request.id, me, {"v": value})
         try:
             tensors: list = []
-            frames = self.codec.encode(reply, tensors)
+            caller = self.workers_by_id.get(int(to))
+            frames = self.codec.encode(reply, tensors, self.placement.response(caller.name if caller else to))
             if context is not None:
                 autograd_forward.record_send(self.autograd, reply.payload["ag"], tensors, int(to))
             del tensors
@@ -455,8 +477,9 @@ class Agent:
                 self._complete(self._loopback(frames))
             else:
                 self.endpoint.send_encoded(to, reply.id, frames, reply.type)
-        except (LocalProtocolError, SerializationError) as exc:
-            # The result itself cannot travel: the caller gets that as its error.
+        except (LocalProtocolError, SerializationError, DeviceMapError) as exc:
+            # The result itself cannot travel (or has no device map back): the caller gets
+            # that as its error.
             self._reply(request, None, SerializationError(f"the result of the call could not be sent back: {exc}"), None)
         except TransportError as exc:
             log.warning("%s: could not answer call %d from %s: %s", self.info, request.id, to, exc)

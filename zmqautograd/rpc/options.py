@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .devices import to_device, to_device_map
+
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
 UNSET_RPC_TIMEOUT = -1.0  # "use the agent's default", as in torch
@@ -22,7 +24,10 @@ class ZmqRpcBackendOptions:
         num_worker_threads: threads that run incoming calls (more are added while calls
             block in nested RPCs, so nested calls never deadlock).
         rpc_timeout: default timeout of a call, in seconds (0: none).
-        device_maps / devices: where tensors from each peer's devices go here (CUDA).
+        device_maps: ``{peer: {this worker's device: peer's device}}``, where CUDA tensors
+            sent to each peer land (responses follow the inverse); see ``set_device_map``.
+            Without a map only CPU tensors travel, as with TensorPipe.
+        devices: the CUDA devices this worker uses (checked against the device maps).
         advertise_address: the IP this worker tells its peers (default: the interface that
             routes to MASTER_ADDR; env ZMQAUTOGRAD_ADVERTISE_ADDRESS overrides).
         allow_pickle: send and accept pickled payloads (objects msgpack cannot carry). None
@@ -68,8 +73,10 @@ class ZmqRpcBackendOptions:
     def __post_init__(self) -> None:
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
-        self.device_maps = {k: dict(v) for k, v in (self.device_maps or {}).items()}
-        self.devices = [torch.device(d) for d in (self.devices or [])]
+        maps, self.device_maps = self.device_maps or {}, {}
+        for to, device_map in maps.items():
+            self.set_device_map(to, device_map)
+        self.devices = [to_device(d) for d in (self.devices or [])]
 
     def fault_options(self) -> dict[str, Any]:
         return {
@@ -79,13 +86,19 @@ class ZmqRpcBackendOptions:
         }
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
-        """Map this worker's devices to worker ``to``'s devices for tensors sent to it."""
+        """Map this worker's devices to worker ``to``'s devices for tensors sent to it in
+        requests (responses follow the inverse). Keys and values: ints (CUDA indices), strings
+        or ``torch.device``s; the map must be 1-to-1. May be called again to add entries."""
+        full = to_device_map(device_map)
         current = self.device_maps.setdefault(to, {})
-        for source, target in device_map.items():
-            source, target = torch.device(source), torch.device(target)
+        for source, target in full.items():
             if source in current and current[source] != target:
-                raise ValueError(f"device {source} is already mapped to {current[source]} for {to}")
-            current[source] = target
+                raise ValueError(
+                    f"`set_device_map` only supports 1-to-1 mapping, trying to map {source} to {current[source]} and {target}"
+                )
+        merged = {**current, **full}
+        to_device_map(merged)  # still 1-to-1 with the earlier entries
+        self.device_maps[to] = merged
 
     def set_devices(self, devices: list[Any]) -> None:
-        self.devices = [torch.device(d) for d in devices]
+        self.devices = [to_device(d) for d in devices]

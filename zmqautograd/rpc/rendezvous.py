@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -34,6 +34,7 @@ class Member:
     name: str
     rank: int
     address: str
+    devices: dict = field(default_factory=dict, compare=False)  # device maps, devices, CUDA count
 
 
 class Rendezvous:
@@ -57,9 +58,11 @@ class Rendezvous:
         self.key = f"{PREFIX}/{self.round}"
         self.master_addr = _master_address(init_method)
 
-    def exchange(self, name: str, address: str) -> list[Member]:
-        """Publish ours, wait for everyone's, check names and world size."""
-        me = {"name": name, "rank": self.rank, "address": address, "world_size": self.world_size}
+    def exchange(self, name: str, address: str, devices: dict | None = None) -> list[Member]:
+        """Publish ours, wait for everyone's, check names and world size. ``devices``: this
+        worker's device maps, devices and CUDA device count (JSON), for every peer to see."""
+        me = {"name": name, "rank": self.rank, "address": address, "world_size": self.world_size,
+              "devices": devices or {}}
         self.store.set(f"{self.key}/member/{self.rank}", json.dumps(me))
         keys = [f"{self.key}/member/{r}" for r in range(self.world_size)]
         self._wait(keys, "join")
@@ -74,7 +77,7 @@ class Rendezvous:
                     f"duplicate worker name {m['name']!r} (ranks {names[m['name']]} and {m['rank']})"
                 )
             names[m["name"]] = m["rank"]
-        return [Member(m["name"], m["rank"], m["address"]) for m in members]
+        return [Member(m["name"], m["rank"], m["address"], m.get("devices") or {}) for m in members]
 
     def _wait(self, keys: list[str], what: str, timeout: float | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout

@@ -1,0 +1,148 @@
+"""Device maps (zmqautograd/rpc/devices.py), with torch.distributed.rpc's semantics and messages.
+
+The map logic and its validation at init_rpc run everywhere; moving CUDA tensors needs a GPU
+and skips without one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+import zmqautograd.rpc as rpc
+from transport import DeviceMapError
+from zmqautograd.rpc.devices import DevicePlacement, to_device_map, validate_device_maps
+
+from .rpc_harness import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+cuda = torch.device
+
+
+def test_device_maps_are_normalised_and_must_be_one_to_one():
+    assert to_device_map({0: 1, "cuda:2": torch.device("cuda:3")}) == {cuda("cuda:0"): cuda("cuda:1"), cuda("cuda:2"): cuda("cuda:3")}
+    with pytest.raises(ValueError, match="only supports 1-to-1 mapping"):
+        to_device_map({0: 1, 2: 1})
+    with pytest.raises(ValueError, match="cpu and cuda"):
+        to_device_map({"meta": 0})
+
+
+def test_set_device_map_adds_entries_and_refuses_conflicts():
+    options = rpc.ZmqRpcBackendOptions(device_maps={"w1": {0: 1}})
+    options.set_device_map("w1", {1: 0})
+    assert options.device_maps == {"w1": {cuda("cuda:0"): cuda("cuda:1"), cuda("cuda:1"): cuda("cuda:0")}}
+    with pytest.raises(ValueError, match="1-to-1"):
+        options.set_device_map("w1", {0: 2})  # cuda:0 already goes to cuda:1
+    with pytest.raises(ValueError, match="1-to-1"):
+        options.set_device_map("w1", {2: 1})  # cuda:1 already taken as a target
+
+
+def test_validation_catches_what_torch_catches():
+    names = ["w0", "w1"]
+    counts = {"w0": 2, "w1": 2}
+    no_devices = {"w0": [], "w1": []}
+
+    def check(maps):
+        validate_device_maps(names, counts, {"w0": {}, "w1": {}, **maps}, no_devices)
+
+    check({"w0": {"w1": {cuda("cuda:0"): cuda("cuda:1")}}})  # fine
+    with pytest.raises(ValueError, match="invalid target node names"):
+        check({"w0": {"w9": {cuda("cuda:0"): cuda("cuda:1")}}})
+    with pytest.raises(ValueError, match="source devices with invalid indices"):
+        check({"w0": {"w1": {cuda("cuda:2"): cuda("cuda:1")}}})
+    with pytest.raises(ValueError, match="target devices with invalid indices"):
+        check({"w0": {"w1": {cuda("cuda:0"): cuda("cuda:5")}}})
+    with pytest.raises(ValueError, match="duplicated devices"):
+        validate_device_maps(names, counts, {"w0": {}, "w1": {}}, {"w0": [cuda("cuda:0")] * 2, "w1": []})
+    with pytest.raises(ValueError, match="unexpected source devices"):
+        validate_device_maps(names, counts, {"w0": {"w1": {cuda("cuda:1"): cuda("cuda:0")}}, "w1": {}},
+                             {"w0": [cuda("cuda:0")], "w1": []})
+
+
+def test_requests_follow_the_callers_map_and_responses_its_inverse():
+    maps = {"w0": {"w1": {cuda("cuda:0"): cuda("cuda:1")}}, "w1": {}}
+    caller, callee = DevicePlacement("w0", maps), DevicePlacement("w1", maps)
+    assert caller.request("w1")(cuda("cuda:0")) == "cuda:1"
+    assert callee.response("w0")(cuda("cuda:1")) == "cuda:0"
+    with pytest.raises(DeviceMapError, match="only supports CPU tensors by default.*Request device mapping is not "
+                       "available for destination w1"):
+        caller.request("w1")(cuda("cuda:1"))  # not in the map
+    with pytest.raises(DeviceMapError, match="Request device mapping is not available for destination w0"):
+        callee.request("w0")(cuda("cuda:1"))  # w1 has no map to w0: its own requests carry CPU only
+    with pytest.raises(DeviceMapError, match="Response device mapping is not available for destination w1"):
+        caller.response("w1")(cuda("cuda:0"))
+
+
+def _join_with_map(rank, init_method, device_map, results):
+    try:
+        options = rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=20)
+        if device_map:
+            options.set_device_map("w1" if rank == 0 else "w0", device_map)
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+        results.put((rank, "ok"))
+        rpc.shutdown()
+    except Exception as exc:
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_a_map_to_devices_nobody_has_fails_init_rpc_on_every_worker():
+    """Rank 0 maps cuda:<count> (one past its last device) to the peer: both workers' init_rpc
+    fail with torch's message, instead of a call failing later."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    bad = {torch.cuda.device_count() if torch.cuda.is_available() else 0: 0}
+    processes = [ctx.Process(target=_join_with_map, args=(r, init_method, bad if r == 0 else None, results))
+                 for r in range(2)]
+    for process in processes:
+        process.start()
+    outcome = dict(results.get(timeout=90) for _ in processes)
+    for process in processes:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+    assert all("ValueError" in outcome[r] and "Node w0 has source devices with invalid indices" in outcome[r]
+               for r in (0, 1)), outcome
+
+
+# ------------------------------------------------------------------------------ with CUDA
+
+
+def _cuda_pair(rank, init_method, results):
+    try:
+        options = rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=30)
+        if rank == 0:
+            options.set_device_map("w1", {0: 0})
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+        if rank == 0:
+            x = torch.arange(4.0, device="cuda:0")
+            y = rpc.rpc_sync("w1", torch.add, args=(x, 1))  # there on cuda:0, back on cuda:0
+            results.put(("mapped", str(y.device), y.cpu().tolist()))
+        else:
+            try:  # w1 has no map to w0: CUDA tensors cannot go there
+                rpc.rpc_sync("w0", torch.add, args=(torch.ones(2, device="cuda:0"), 1), timeout=10)
+                results.put(("unmapped", "sent", ""))
+            except RuntimeError as exc:
+                results.put(("unmapped", type(exc).__name__, str(exc)))
+        rpc.shutdown()
+    except Exception as exc:  # noqa: BLE001
+        results.put(("error", type(exc).__name__, str(exc)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_follow_the_map_there_and_its_inverse_back():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    processes = [ctx.Process(target=_cuda_pair, args=(r, init_method, results)) for r in range(2)]
+    for process in processes:
+        process.start()
+    got = [results.get(timeout=90) for _ in range(2)]
+    for process in processes:
+        process.join(30)
+    assert ("mapped", "cuda:0", [1.0, 2.0, 3.0, 4.0]) in got, got
+    unmapped = [g for g in got if g[0] == "unmapped"]
+    assert unmapped and "only supports CPU tensors by default" in unmapped[0][2], got
