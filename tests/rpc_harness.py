@@ -16,6 +16,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_and_collect(target, per_process_args: list[tuple], timeout: float = 90) -> list:
+    """Run ``target(*args, results)`` in one fresh process per args tuple; each puts one item
+    on ``results``. Returns the items, in arrival order; processes that do not exit are
+    killed."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    processes = [ctx.Process(target=target, args=(*args, results)) for args in per_process_args]
+    for process in processes:
+        process.start()
+    try:
+        return [results.get(timeout=timeout) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
 def worker_main(rank: int, world_size: int, init_method: str, options: dict, errors) -> None:
     try:
         rpc.init_rpc(

@@ -6,8 +6,6 @@ and skips without one.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 import torch
 
@@ -15,7 +13,7 @@ import zmqautograd.rpc as rpc
 from transport import DeviceMapError
 from zmqautograd.rpc.devices import DevicePlacement, to_device_map, validate_device_maps
 
-from .rpc_harness import free_port
+from .rpc_harness import free_port, spawn_and_collect
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,19 +89,9 @@ def _join_with_map(rank, init_method, device_map, results):
 def test_a_map_to_devices_nobody_has_fails_init_rpc_on_every_worker():
     """Rank 0 maps cuda:<count> (one past its last device) to the peer: both workers' init_rpc
     fail with torch's message, instead of a call failing later."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     bad = {torch.cuda.device_count() if torch.cuda.is_available() else 0: 0}
-    processes = [ctx.Process(target=_join_with_map, args=(r, init_method, bad if r == 0 else None, results))
-                 for r in range(2)]
-    for process in processes:
-        process.start()
-    outcome = dict(results.get(timeout=90) for _ in processes)
-    for process in processes:
-        process.join(30)
-        if process.is_alive():
-            process.kill()
+    outcome = dict(spawn_and_collect(_join_with_map, [(0, init_method, bad), (1, init_method, None)]))
     assert all("ValueError" in outcome[r] and "Node w0 has source devices with invalid indices" in outcome[r]
                for r in (0, 1)), outcome
 
@@ -134,15 +122,8 @@ def _cuda_pair(rank, init_method, results):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_follow_the_map_there_and_its_inverse_back():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    processes = [ctx.Process(target=_cuda_pair, args=(r, init_method, results)) for r in range(2)]
-    for process in processes:
-        process.start()
-    got = [results.get(timeout=90) for _ in range(2)]
-    for process in processes:
-        process.join(30)
+    got = spawn_and_collect(_cuda_pair, [(0, init_method), (1, init_method)])
     assert ("mapped", "cuda:0", [1.0, 2.0, 3.0, 4.0]) in got, got
     unmapped = [g for g in got if g[0] == "unmapped"]
     assert unmapped and "only supports CPU tensors by default" in unmapped[0][2], got

@@ -13,7 +13,7 @@ import torch
 import zmqautograd.rpc as rpc
 
 from . import rpc_functions as f
-from .rpc_harness import Group, free_port
+from .rpc_harness import Group, free_port, spawn_and_collect
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -172,7 +172,7 @@ def test_shutdown_and_init_again_in_the_same_processes():
     assert all("RPC has not been initialized" in g[2] for g in got if g[1] == "after")
 
 
-def _join(rank, name, world_size, init_method, results, timeout=20):
+def _join(rank, name, world_size, init_method, timeout, results):
     try:
         options = rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=timeout)
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
@@ -183,18 +183,8 @@ def _join(rank, name, world_size, init_method, results, timeout=20):
 
 
 def _run_group(specs, timeout=20):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    processes = [ctx.Process(target=_join, args=(*spec, init_method, results, timeout)) for spec in specs]
-    for p in processes:
-        p.start()
-    outcome = dict(results.get(timeout=90) for _ in specs)
-    for p in processes:
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-    return outcome
+    return dict(spawn_and_collect(_join, [(*spec, init_method, timeout) for spec in specs]))
 
 
 def test_duplicate_worker_names_are_refused():
