@@ -14,7 +14,7 @@ from transport import MessageType
 from ..rpc.errors import RpcError
 from .context import ContextContainer, DistAutogradContext
 from .engine import LOCAL_ROOT, Pass, Plan
-from .functions import RecvInfo
+from .functions import RecvInfo, profiled
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         if root.grad_fn is None:
             raise RpcError("Tensor does not have a valid gradient function.")
     edges = [(root.grad_fn, root.output_nr) for root in roots]
-    with torch.autograd.profiler.record_function("torch::distributed::autograd::backward"):
+    with profiled("torch::distributed::autograd::backward"):
         run = _start_pass(agent, autograd_context, container.new_message_id(), bool(retain_graph), edges)
         run.deliver(LOCAL_ROOT, [torch.ones_like(root, memory_format=torch.preserve_format) for root in roots])
         run.watch_idle()

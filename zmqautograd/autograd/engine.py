@@ -51,7 +51,7 @@ from torch.autograd.graph import GradientEdge
 from .. import timers
 from ..rpc.errors import RpcError
 from .context import DistAutogradContext, add_gradients
-from .functions import is_leaf_node, is_recv_node, recv_info
+from .functions import is_leaf_node, is_recv_node, profiled, recv_info
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +373,7 @@ class Pass:
         grads = [buffer.get(slot) for slot in range(len(info.metadata))]
         del buffer
         try:
-            with torch.autograd.profiler.record_function("torch::distributed::autograd::RecvRpcBackward"):
+            with profiled("torch::distributed::autograd::RecvRpcBackward"):
                 future = self._send_gradients(info, grads, self, awaited)
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)

@@ -9,6 +9,7 @@ when they run; their ``backward`` is never where the RPC happens.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,18 @@ SendRpc._backward_cls.name = lambda self: _SEND_NAME
 RecvRpc._backward_cls.name = lambda self: _RECV_NAME
 SEND_NODE_TYPE = SendRpc._backward_cls
 RECV_NODE_TYPE = RecvRpc._backward_cls
+
+
+_profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
+
+
+def profiled(name: str) -> Any:
+    """``record_function(name)`` while the profiler records on this thread, else nothing: the
+    context manager costs ~10 us even with the profiler off (measured), and a backward pass
+    uses a few."""
+    if _profiler_enabled is None or _profiler_enabled():
+        return torch.autograd.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def is_recv_node(node: Any) -> bool:
