@@ -468,7 +468,7 @@ class Agent:
             reply = Message(REQUEST_TYPES[request.type], request.id, me, {"v": value})
         try:
             tensors: list = []
-            caller = self.workers_by_id.get(int(to))
+            caller = self.workers_by_id.get(int(to)) if to.isdigit() else None
             frames = self.codec.encode(reply, tensors, self.placement.response(caller.name if caller else to))
             if context is not None:
                 autograd_forward.record_send(self.autograd, reply.payload["ag"], tensors, int(to))
