@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
@@ -369,6 +370,34 @@ def test_dropped_rrefs_leave_nothing_on_the_owner(group):
     del rrefs
     _settle_everyone(group)
     assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline
+
+
+def test_an_rref_dropped_while_the_socket_lock_is_held_does_not_deadlock(group):
+    """``RRef.__del__`` runs wherever the last reference goes or the garbage collector runs,
+    even on the endpoint's I/O thread in the middle of a receive, which holds the socket lock
+    and may hold the RRef context's lock: releasing must not send or lock from there. (A
+    fresh-clone CI run caught the I/O thread deadlocked on its own socket lock this way.)"""
+    import gc
+
+    from zmqautograd.rpc import api
+
+    _settle_everyone(group)
+    baseline = rpc.rpc_sync("worker2", f.owned_rrefs)
+    holder = [rpc.remote("worker2", f.my_function, args=(7, 0, 0))]
+    assert holder[0].to_here() == 7
+    agent = api._current()
+    dropped = threading.Event()
+
+    def drop_the_last_reference_holding_both_locks() -> None:
+        with agent.endpoint._socket_lock, agent.rrefs._lock:
+            holder.clear()
+            gc.collect()  # __del__ runs here, on this thread (the RRef sits in a cycle)
+        dropped.set()
+
+    threading.Thread(target=drop_the_last_reference_holding_both_locks, daemon=True).start()
+    assert dropped.wait(10), "RRef.__del__ deadlocked on a lock its thread holds"
+    _settle_everyone(group)
+    assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline  # the delete still reached the owner
 
 
 def test_workers_that_disagree_on_world_size_get_a_clear_error():

@@ -42,7 +42,9 @@ class PinnedBufferPool:
     def __init__(self, max_cached_bytes: int = 1 << 30, allocate: Callable[[int], torch.Tensor] | None = None):
         self.max_cached_bytes = max_cached_bytes
         self._allocate = allocate or _allocate_pinned
-        self._lock = threading.Lock()
+        # Reentrant: release() runs from a weakref finalizer, which may fire on a thread that
+        # is inside acquire() (a garbage collection there).
+        self._lock = threading.RLock()
         self._free: dict[int, list[PinnedBlock]] = {}
         self._cached_bytes = 0
         self.allocations = 0  # pinned allocations made, for tests and tuning

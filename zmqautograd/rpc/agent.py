@@ -598,7 +598,10 @@ class Agent:
 
     def wait_outstanding(self, timeout: float | None) -> bool:
         """Wait until every call this worker made has completed (None: no limit; calls end by
-        themselves: answered, timed out, or failed when their peer is lost); False on timeout."""
+        themselves: answered, timed out, or failed when their peer is lost), RRef deletions
+        included; False on timeout."""
+        if not self.rrefs.flush_releases(timeout):
+            return False
         with self._lock:
             return self._all_done.wait_for(
                 lambda: len(self._pending) <= len(self._barrier_ids) and self._retrying == 0, timeout
@@ -617,6 +620,7 @@ class Agent:
         # Calls already running finish first and queue their answers (the shutdown barrier's
         # among them); only then does the endpoint close, sending what is queued.
         self.pool.shutdown(timeout=drain)
+        self.rrefs.stop_releasing()
         self.endpoint.close()
         self._timer.join(5)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -56,6 +57,16 @@ class RRefContext:
         self._owned: dict[RRefId, _OwnerEntry] = {}
         self._pending_children: dict[tuple, "RRef"] = {}  # fork id -> our RRef, until accepted
         self._counter = itertools.count(1)
+        # RRefs dropped by ``__del__``, released on a thread of their own. ``__del__`` runs
+        # wherever the garbage collector happens to run, possibly on a thread that holds the
+        # endpoint's socket lock or this context's lock (seen: the I/O thread, mid-receive,
+        # deadlocked on its own socket lock): it must take no lock, and SimpleQueue.put is
+        # reentrant for exactly this use.
+        self._released: queue.SimpleQueue = queue.SimpleQueue()
+        self._release_thread = threading.Thread(
+            target=self._release_loop, name=f"rref-release-{agent.rank}", daemon=True
+        )
+        self._release_thread.start()
 
     def new_id(self) -> tuple:
         return (self.agent.rank, next(self._counter))
@@ -107,6 +118,44 @@ class RRefContext:
     def add_local_handle(self, rref_id: RRefId) -> None:
         with self._lock:
             self._entry(rref_id).local_handles += 1
+
+    # --------------------------------------------------------------- releases from __del__
+
+    def release_later(self, item: tuple) -> None:
+        """From ``RRef.__del__``: ``("owner", rref_id)`` or ``("user", owner_id, rref_id,
+        fork_id)``. Takes no lock (see ``__init__``)."""
+        self._released.put(item)
+
+    def flush_releases(self, timeout: float | None) -> bool:
+        """Wait until every release queued so far has been acted on (a user delete is then
+        counted by the agent's outstanding work). False on timeout."""
+        done = threading.Event()
+        self._released.put(done)
+        return done.wait(timeout)
+
+    def stop_releasing(self) -> None:
+        self._released.put(None)
+
+    def _release_loop(self) -> None:
+        while True:
+            item = self._released.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                if item[0] == "owner":
+                    self.drop_local_handle(item[1])
+                else:
+                    _, owner_id, rref_id, fork_id = item
+                    agent = self.agent
+                    if not agent.closed and agent.rrefs is self:
+                        agent.call_retrying(owner_id, _delete_fork, (list(rref_id), list(fork_id)),
+                                            MessageType.RREF_USER_DELETE)
+            except Exception as exc:  # noqa: BLE001 - the owner's peer-loss handling covers the rest
+                log.debug("releasing %s failed: %s", item, exc)
+            del item
 
     def drop_local_handle(self, rref_id: RRefId) -> None:
         with self._lock:
@@ -311,17 +360,13 @@ class RRef:
             context = self._context
         except AttributeError:
             return  # construction failed half-way
+        # No lock and no I/O here: see RRefContext.__init__.
         try:
             if self.is_owner():
-                context.drop_local_handle(self.rref_id)
-            elif getattr(self, "_unsent", False):
-                return  # its remote() never went out
-            else:
-                agent = context.agent
-                if not agent.closed and agent.rrefs is context:
-                    agent.call_retrying(self.owner_id, _delete_fork, (list(self.rref_id), list(self.fork_id)),
-                                        MessageType.RREF_USER_DELETE)
-        except Exception:  # interpreter shutdown, peer gone: the owner's loss handling covers it
+                context.release_later(("owner", self.rref_id))
+            elif not getattr(self, "_unsent", False):  # else its remote() never went out
+                context.release_later(("user", self.owner_id, self.rref_id, self.fork_id))
+        except Exception:  # interpreter shutdown
             pass
 
 
