@@ -7,13 +7,11 @@ futures; the pool runs user functions; the endpoint's I/O thread never runs eith
 
 from __future__ import annotations
 
-import heapq
 import ipaddress
 import itertools
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -34,13 +32,13 @@ from .pool import ElasticPool
 from .rendezvous import Member, Rendezvous, advertise_address
 from .rref import RRef, RRefContext
 from .serialization import RpcCodec, decode_exception, encode_exception, encode_function, resolve_function
+from .. import timers
 from ..autograd import forward as autograd_forward
 from ..autograd.context import ContextContainer
 
 log = logging.getLogger(__name__)
 
 EXT_RREF = 18
-_TIMER_SLACK = 0.005  # timeouts fire up to this late, so that expiry runs in batches
 
 
 # Each request type and the type of its answer (the seeds' names). All requests carry a
@@ -146,8 +144,6 @@ class Agent:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
-        self._deadlines: list[tuple[float, int]] = []
-        self._deadline_changed = threading.Condition(self._lock)
         self._all_done = threading.Condition(self._lock)
         self._stopping = False
         # Peers that finish init_rpc first may call us before our init_rpc has published this
@@ -156,8 +152,6 @@ class Agent:
         self._arrivals: dict[int, torch.futures.Future] = {}  # the leader's shutdown barrier
         self._barrier_ids: set[int] = set()  # our own pending barrier call
         self._retrying = 0  # retryable control messages not settled yet (call_retrying)
-        self._timer = threading.Thread(target=self._expire_loop, name=f"rpc-timeouts-{name}", daemon=True)
-        self._timer.start()
         try:
             members = rendezvous.exchange(name, self.endpoint.address, self._device_record())
             self._set_members(members)
@@ -243,13 +237,8 @@ class Agent:
             self._pending[message_id] = _Pending(future, info, timeout)
             if barrier:
                 self._barrier_ids.add(message_id)
-            if timeout > 0:
-                deadline = time.monotonic() + timeout
-                # Wake the timer thread only when this deadline comes first: with one timeout
-                # for every call that is rare, and a wake-up per call costs a context switch.
-                if not self._deadlines or deadline < self._deadlines[0][0]:
-                    self._deadline_changed.notify()
-                heapq.heappush(self._deadlines, (deadline, message_id))
+        if timeout > 0:  # a call answered first is simply not found when its timer fires
+            timers.call_later(timeout, self._expire, message_id)
         try:
             tensors: list = []
             frames = self.codec.encode(message, tensors, placement or self.placement.request(info.name))
@@ -320,9 +309,7 @@ class Agent:
                 return
             delay = options.retry_delay * options.retry_backoff ** number
             log.debug("%s: retrying %s to %s in %.2f s: %s", self.info, message_type.name, to, delay, exc)
-            timer = threading.Timer(delay, attempt, args=(number + 1,))
-            timer.daemon = True
-            timer.start()
+            timers.call_later(delay, attempt, number + 1)
 
         attempt(0)
         return result
@@ -519,32 +506,15 @@ class Agent:
 
     # -------------------------------------------------------------------------- timeouts
 
-    def _expire_loop(self) -> None:
+    def _expire(self, message_id: int) -> None:
+        """On the timer thread, at a call's deadline: fail it if it is still pending."""
         with self._lock:
-            while not self._stopping:
-                now = time.monotonic()
-                expired = []
-                while self._deadlines and self._deadlines[0][0] <= now:
-                    _, message_id = heapq.heappop(self._deadlines)
-                    pending = self._take(message_id)
-                    if pending is not None:
-                        expired.append(pending)
-                if expired:
-                    self._lock.release()
-                    try:
-                        for pending in expired:
-                            pending.future.set_exception(RpcTimeoutError(
-                                f"RPC ran for more than set timeout ({pending.timeout * 1000:.0f} ms) "
-                                f"and will now be marked with an error (call to {pending.to})"
-                            ))
-                    finally:
-                        self._lock.acquire()
-                    continue
-                # Expiry is batched _TIMER_SLACK apart: the heap keeps the deadlines of calls
-                # that completed (they are dropped when they come up), and waking for each of
-                # them would cost a context switch per call.
-                wait = self._deadlines[0][0] - now + _TIMER_SLACK if self._deadlines else None
-                self._deadline_changed.wait(wait)
+            pending = self._take(message_id)
+        if pending is not None:
+            pending.future.set_exception(RpcTimeoutError(
+                f"RPC ran for more than set timeout ({pending.timeout * 1000:.0f} ms) "
+                f"and will now be marked with an error (call to {pending.to})"
+            ))
 
     # -------------------------------------------------------------------------- shutdown
 
@@ -612,7 +582,6 @@ class Agent:
         with self._lock:
             self._stopping = True
             pending, self._pending = self._pending, {}
-            self._deadline_changed.notify()
             self._all_done.notify_all()
         for p in pending.values():
             if not p.future.done():
@@ -622,7 +591,6 @@ class Agent:
         self.pool.shutdown(timeout=drain)
         self.rrefs.stop_releasing()
         self.endpoint.close()
-        self._timer.join(5)
 
 
 def _make_codec(allow_pickle: bool | None, authenticated: bool, host: str) -> RpcCodec:

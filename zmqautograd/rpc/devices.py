@@ -146,14 +146,24 @@ class DevicePlacement:
             caller: {target: source for source, target in maps[me].items()}
             for caller, maps in all_device_maps.items() if me in maps
         }
+        # Placements made once per peer and direction: every message asks for one.
+        self._placements: dict[tuple[str, str], Placement] = {}
 
     def request(self, peer: str) -> Placement:
         """For a request to ``peer``: this worker's map to it."""
-        return self._placement(self._request.get(peer), f"Request device mapping is not available for destination {peer}")
+        return self._cached("Request", peer, self._request)
 
     def response(self, caller: str) -> Placement:
         """For the response to ``caller``: the inverse of the caller's map to us."""
-        return self._placement(self._response.get(caller), f"Response device mapping is not available for destination {caller}")
+        return self._cached("Response", caller, self._response)
+
+    def _cached(self, direction: str, peer: str, maps: Mapping[str, DeviceMapping]) -> Placement:
+        placement = self._placements.get((direction, peer))
+        if placement is None:
+            placement = self._placements[(direction, peer)] = self._placement(
+                maps.get(peer), f"{direction} device mapping is not available for destination {peer}"
+            )
+        return placement
 
     @staticmethod
     def _placement(mapping: DeviceMapping | None, missing: str) -> Placement:
