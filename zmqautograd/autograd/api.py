@@ -11,6 +11,7 @@ import torch
 
 from transport import MessageType
 
+from ..rpc import current
 from ..rpc.errors import RpcError
 from .context import ContextContainer, DistAutogradContext
 from .engine import LOCAL_ROOT, Pass, Plan
@@ -22,10 +23,7 @@ _pass_lock = threading.Lock()  # creating and replacing a context's current pass
 _running: dict[int, Pass] = {}  # passes started by backward() on this process
 
 
-def _agent() -> Any:
-    from ..rpc.api import _current
-
-    return _current()
+_agent = current.agent
 
 
 def _container() -> ContextContainer:

@@ -147,6 +147,12 @@ def _clone_like(variable: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad.clone(memory_format=torch.contiguous_format)
 
 
+class _ThreadContext(threading.local):
+    # A class default rather than getattr(local, name, None): a miss raises and catches an
+    # AttributeError inside getattr, on every RPC made outside a context.
+    context: "DistAutogradContext | None" = None
+
+
 class ContextContainer:
     """Every context of this worker, and the context current on each thread."""
 
@@ -165,7 +171,7 @@ class ContextContainer:
         self._tombstone_order: deque = deque()
         self._context_counter = itertools.count(0)
         self._message_counter = itertools.count(0)
-        self._local = threading.local()
+        self._local = _ThreadContext()
 
     def _next_id(self, counter: itertools.count, what: str) -> int:
         value = next(counter)
@@ -182,10 +188,10 @@ class ContextContainer:
     # The current context of this thread.
 
     def current(self) -> DistAutogradContext | None:
-        return getattr(self._local, "context", None)
+        return self._local.context
 
     def set_current(self, context: DistAutogradContext | None) -> DistAutogradContext | None:
-        previous = getattr(self._local, "context", None)
+        previous = self._local.context
         self._local.context = context
         return previous
 

@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import threading
+from _thread import allocate_lock as _allocate_lock
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -25,6 +26,7 @@ from transport import faults as transport_faults
 from transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
 from transport.endpoint import Endpoint, EndpointOptions
 
+from . import current
 from .errors import RpcError, RpcTimeoutError, SerializationError
 from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
@@ -78,27 +80,49 @@ class WorkerInfo:
 
 class _SyncSlot:
     """What ``rpc_sync`` waits on instead of a torch Future: the I/O thread can fill it with the
-    undecoded response without running any user code (a Future runs its callbacks)."""
+    undecoded response without running any user code (a Future runs its callbacks).
 
-    __slots__ = ("event", "envelope", "value", "error", "to")
+    The waiter blocks on a bare lock, taken at creation and released by whoever completes the
+    call (exactly one: completers first take the call out of the pending table), and times out
+    by itself instead of through the timer thread: an Event costs a Condition and two more
+    locks per call, and a timer a heap entry."""
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
+    __slots__ = ("_unfinished", "finished", "envelope", "value", "error", "to", "message_id", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self._unfinished = _allocate_lock()
+        self._unfinished.acquire()
+        self.finished = False
         self.envelope: Envelope | None = None
         self.value: Any = None
         self.error: BaseException | None = None
         self.to: WorkerInfo | None = None
+        self.message_id = 0
+        self.timeout = timeout  # seconds; <= 0: no limit
+
+    def _finish(self) -> None:
+        self.finished = True
+        self._unfinished.release()
 
     def set_result(self, value: Any) -> None:
         self.value = value
-        self.event.set()
+        self._finish()
 
     def set_exception(self, error: BaseException) -> None:
         self.error = error
-        self.event.set()
+        self._finish()
+
+    def set_envelope(self, envelope: Envelope, to: WorkerInfo) -> None:
+        self.envelope = envelope
+        self.to = to
+        self._finish()
 
     def done(self) -> bool:
-        return self.event.is_set()
+        return self.finished
+
+    def wait(self, bounded: bool = True) -> bool:
+        """Until completed, or (``bounded``) the call's timeout; False on timeout."""
+        return self._unfinished.acquire(timeout=self.timeout if bounded and self.timeout > 0 else -1)
 
 
 @dataclass
@@ -228,7 +252,7 @@ class Agent:
             payload["ag"] = autograd
             message_type = MessageType.FORWARD_AUTOGRAD_REQ
         timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
-        future = _SyncSlot() if sync else torch.futures.Future()
+        future = _SyncSlot(timeout) if sync else torch.futures.Future()
         message_id = next(self._ids)
         message = Message(message_type, message_id, str(self.rank), payload)
         with self._lock:
@@ -237,7 +261,9 @@ class Agent:
             self._pending[message_id] = _Pending(future, info, timeout)
             if barrier:
                 self._barrier_ids.add(message_id)
-        if timeout > 0:  # a call answered first is simply not found when its timer fires
+        if sync:
+            future.message_id = message_id  # its waiter times it out (call_sync)
+        elif timeout > 0:  # a call answered first is simply not found when its timer fires
             timers.call_later(timeout, self._expire, message_id)
         try:
             tensors: list = []
@@ -333,13 +359,21 @@ class Agent:
     ) -> Any:
         """Call and wait; a pool thread that waits lets the pool start another (nested RPCs)."""
         slot = self.call(to, function, args, kwargs, timeout, sync=True, message_type=message_type, barrier=barrier)
-        with self.pool.blocking():
-            slot.event.wait()
+        if self.pool.owns_current_thread():
+            with self.pool.blocking():
+                self._wait(slot)
+        else:
+            self._wait(slot)
         if slot.envelope is not None:  # handed over undecoded by the I/O thread
             slot.value, slot.error = self._decode_response(slot.envelope, slot.to)
         if slot.error is not None:
             raise slot.error
         return slot.value
+
+    def _wait(self, slot: _SyncSlot) -> None:
+        if not slot.wait():
+            self._expire(slot.message_id)  # fails it, unless it completed meanwhile
+            slot.wait(bounded=False)  # complete now, or at once: whoever took it completes it
 
     def _route_to_waiter(self, peer: str, envelope: Envelope) -> bool:
         """On the I/O thread: a response to an rpc_sync goes to its waiting thread at once."""
@@ -351,10 +385,7 @@ class Agent:
         with self._lock:
             if self._take(envelope.id) is None:
                 return True  # timed out meanwhile: already failed
-        slot = pending.future
-        slot.envelope = envelope
-        slot.to = pending.to
-        slot.event.set()
+        pending.future.set_envelope(envelope, pending.to)
         return True
 
     def _decode_response(self, envelope: Envelope, to: WorkerInfo) -> tuple[Any, BaseException | None]:
@@ -610,9 +641,7 @@ def _make_codec(allow_pickle: bool | None, authenticated: bool, host: str) -> Rp
 
 
 def _arrive_at_shutdown(rank: int) -> torch.futures.Future:
-    from .api import _current
-
-    return _current()._arrive(rank)
+    return current.agent()._arrive(rank)
 
 
 _arrive_at_shutdown._wrapped_async_rpc_function = _arrive_at_shutdown

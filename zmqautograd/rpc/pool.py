@@ -35,7 +35,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_current_pool = threading.local()
+class _ThreadPool(threading.local):
+    pool: "ElasticPool | None" = None  # a class default: reading it on other threads never misses
+
+
+_current_pool = _ThreadPool()
 
 
 class ElasticPool:
@@ -73,10 +77,15 @@ class ElasticPool:
             self._work.append((function, args))
             self._dispatch_locked(time.monotonic(), grow_past_size=False)
 
+    def owns_current_thread(self) -> bool:
+        """Whether the calling thread is one of this pool's (cheaper than entering
+        ``blocking()`` just to find out)."""
+        return _current_pool.pool is self
+
     @contextmanager
     def blocking(self):
         """Wrap a wait inside a pool thread: queued work gets a thread meanwhile."""
-        if getattr(_current_pool, "pool", None) is not self:
+        if _current_pool.pool is not self:
             yield
             return
         me = threading.current_thread()

@@ -33,6 +33,7 @@ import torch
 
 from transport import MessageType
 
+from . import current
 
 log = logging.getLogger(__name__)
 
@@ -237,9 +238,7 @@ class RRef:
     """
 
     def __init__(self, value: Any, type_hint: type | None = None):
-        from .api import _current
-
-        context = _current().rrefs
+        context = current.agent().rrefs
         rref_id = context.new_id()
         future = context.owner_value(rref_id)
         future.set_result(value)
@@ -387,9 +386,7 @@ class _Proxy:
 
 
 def _context() -> RRefContext:
-    from .api import _current
-
-    return _current().rrefs
+    return current.agent().rrefs
 
 
 def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: tuple, kwargs: dict) -> None:

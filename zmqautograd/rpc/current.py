@@ -1,0 +1,19 @@
+"""The process's current RPC agent, for the modules that ``rpc.api`` itself imports (the RRef
+and autograd layers): importing ``rpc.api`` at their top would be an import cycle, and an
+import statement on every call costs more than the rest of a small call's bookkeeping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_api: Any = None  # zmqautograd.rpc.api, bound on first use
+
+
+def agent() -> Any:
+    """The current agent; RpcNotInitializedError when there is none (see ``rpc.api._current``)."""
+    global _api
+    if _api is None:
+        from . import api
+
+        _api = api
+    return _api._current()
