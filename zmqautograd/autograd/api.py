@@ -3,6 +3,7 @@ functions other workers call by RPC (gradient requests, context cleanup)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Any, Sequence
@@ -217,29 +218,38 @@ def _backward_request(context_id: int, message_id: int, pass_id: int, retain_gra
 _backward_request._wrapped_async_rpc_function = _backward_request
 
 
-def _cleanup_context(context_id: int, from_worker: int = -1) -> None:
-    """A peer released a context: release it here too, and pass it on (idempotent)."""
+def _cleanup_contexts(context_ids: list, from_worker: int = -1) -> None:
+    """A peer released contexts: release them here too, and pass them on (idempotent)."""
     agent = _agent()
-    ctx = agent.autograd.remove(context_id)
-    if ctx is not None:
-        _send_cleanup(agent, ctx, skip=from_worker)
+    for context_id in context_ids:
+        ctx = agent.autograd.remove(context_id)
+        if ctx is not None:
+            _send_cleanup(agent, ctx, skip=from_worker)
 
 
 def _send_cleanup(agent: Any, ctx: DistAutogradContext, skip: int = -1) -> None:
+    """Release ``ctx`` on every worker it reached (but ``skip``), with the next batch."""
+    send = functools.partial(_send_cleanup_batch, agent)
     for worker in sorted(ctx._known_worker_ids()):
-        if worker in (agent.rank, skip):  # not back to whoever told us
-            continue
-        try:
-            sent = agent.call_retrying(worker, _cleanup_context, (ctx.context_id, agent.rank),
-                                       MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
-        except RuntimeError as exc:
-            log.warning("could not release autograd context %d on worker %d: %s", ctx.context_id, worker, exc)
-            continue
-        sent.add_done_callback(lambda f, w=worker: _log_cleanup_failure(f, ctx.context_id, w))
+        if worker not in (agent.rank, skip):  # not back to whoever told us
+            agent.autograd.cleanups.add(worker, ctx.context_id, send)
 
 
-def _log_cleanup_failure(future: torch.futures.Future, context_id: int, worker: int) -> None:
+def _send_cleanup_batch(agent: Any, worker: int, context_ids: list) -> None:
+    if agent.closed:  # shut down meanwhile without waiting (graceful shutdown flushes first)
+        log.debug("not releasing autograd contexts %s on worker %d: RPC is shut down", context_ids, worker)
+        return
+    try:
+        sent = agent.call_retrying(worker, _cleanup_contexts, (context_ids, agent.rank),
+                                   MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
+    except RuntimeError as exc:
+        log.warning("could not release autograd contexts %s on worker %d: %s", context_ids, worker, exc)
+        return
+    sent.add_done_callback(lambda f: _log_cleanup_failure(f, context_ids, worker))
+
+
+def _log_cleanup_failure(future: torch.futures.Future, context_ids: list, worker: int) -> None:
     try:
         future.value()
     except Exception as exc:  # noqa: BLE001
-        log.warning("could not release autograd context %d on worker %d: %s", context_id, worker, exc)
+        log.warning("could not release autograd contexts %s on worker %d: %s", context_ids, worker, exc)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..rpc.errors import RpcError
+from .cleanup import CleanupBatcher
 
 MAX_AUTO_INCREMENT = (1 << 48) - 1
 MAX_TOMBSTONES = 100_000  # released context ids remembered (8 bytes or so each)
@@ -172,6 +173,7 @@ class ContextContainer:
         self._context_counter = itertools.count(0)
         self._message_counter = itertools.count(0)
         self._local = _ThreadContext()
+        self.cleanups = CleanupBatcher()  # releases bound for other workers (cleanup.py)
 
     def _next_id(self, counter: itertools.count, what: str) -> int:
         value = next(counter)

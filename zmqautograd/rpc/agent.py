@@ -603,6 +603,7 @@ class Agent:
         included; False on timeout."""
         if not self.rrefs.flush_releases(timeout):
             return False
+        self.autograd.cleanups.flush()  # context releases waiting for their batch
         with self._lock:
             return self._all_done.wait_for(
                 lambda: len(self._pending) <= len(self._barrier_ids) and self._retrying == 0, timeout
