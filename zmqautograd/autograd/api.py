@@ -138,8 +138,10 @@ def _check_context_id(context_id: Any, what: str) -> None:
 # ------------------------------------------------------------------------------ passes
 
 
-def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph: bool, local_edges: list | None) -> Pass:
-    """Make ``pass_id`` the context's pass on this worker (replacing a stale one)."""
+def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph: bool, local_edges: list | None,
+                requester: int | None = None) -> Pass:
+    """Make ``pass_id`` the context's pass on this worker (replacing a stale one);
+    ``requester``: the worker that waits for the answer to the request that starts it."""
     roots: dict[Any, list] = {}
     if local_edges:
         roots[LOCAL_ROOT] = local_edges
@@ -154,7 +156,8 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
         ctx.plan_cache = (key, plan)
     home = local_edges is not None
     idle = (agent.default_timeout if agent.default_timeout > 0 else None) if home else None
-    run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients, home=home, idle_timeout=idle)
+    run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients, home=home, idle_timeout=idle,
+               requester=requester)
     if local_edges is not None:  # passes this worker started, by id (found even if the context is gone)
         _running[pass_id] = run
         run.done.add_done_callback(lambda _: _running.pop(pass_id, None))
@@ -174,24 +177,56 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
 
 def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool) -> torch.futures.Future | None:
     """A recv function fired: send its gradients to the worker the tensors came from (one-way
-    when ``run`` does not wait for the answer)."""
+    when ``run`` does not wait for the answer). The future completes once the answer came
+    and the gradients that rode on it (see ``Pass._fire_recv``) were delivered here."""
     agent = _agent()
-    args = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads)
     # Back the way the tensors came: the inverse of the map they arrived through.
     peer = agent.worker_info(info.from_worker).name
     placement = agent.placement.request(peer) if info.in_response else agent.placement.response(peer)
+    args = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads, agent.rank if awaited else -1)
     if not awaited:
         agent.notify(info.from_worker, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ, placement)
         return None
-    return agent.call(info.from_worker, _backward_request, args, None, -1.0,
+    sent = agent.call(info.from_worker, _backward_request, args, None, -1.0,
                       message_type=MessageType.BACKWARD_AUTOGRAD_REQ, placement=placement)
+    delivered: torch.futures.Future = torch.futures.Future()
+
+    def answered(future: torch.futures.Future) -> None:
+        try:
+            riding = future.value()
+            if riding is not None:
+                _accept_gradients(agent, *riding)
+        except Exception as exc:  # noqa: BLE001 - fails our pass (its _request_done)
+            delivered.set_exception(exc)
+            return
+        delivered.set_result(None)
+
+    sent.add_done_callback(answered)
+    return delivered
 
 
-def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list) -> torch.futures.Future:
-    """On the worker that sent the tensors: the gradients for send function ``message_id``.
-    The first request of a pass is answered when this worker's pass is done; later ones at
-    once (the seeds' completion protocol)."""
+def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
+                      reply_to: int = -1) -> torch.futures.Future:
+    """On the worker that sent the tensors: the gradients for send function ``message_id``
+    (``reply_to``: the sender, when it waits for the answer). The first request of a pass is
+    answered when this worker's pass is done, with the gradients that ride on the answer if
+    any; later ones at once (the seeds' completion protocol)."""
     agent = _agent()
+    run, first = _accept_gradients(agent, context_id, message_id, pass_id, retain_graph, grads,
+                                   requester=reply_to if reply_to >= 0 else None)
+    if first:
+        # A failed pass raises here, in the callback: the answer carries its error.
+        return run.done.then(lambda done: _riding_gradients(done.value(), pass_id, retain_graph))
+    answered: torch.futures.Future = torch.futures.Future()
+    answered.set_result(None)
+    return answered
+
+
+def _accept_gradients(agent: Any, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
+                      requester: int | None = None) -> tuple[Pass, bool]:
+    """Deliver the gradients for send function ``message_id`` to pass ``pass_id`` here,
+    starting it if it is new (``requester`` waits for its answer). The pass, and whether it
+    is new."""
     try:
         ctx = agent.autograd.retrieve(context_id)
         ctx.send_function(message_id)  # a clear error for an unknown message id
@@ -199,7 +234,7 @@ def _backward_request(context_id: int, message_id: int, pass_id: int, retain_gra
             run = ctx.current_pass
             first = run is None or run.pass_id != pass_id
         if first:
-            run = _start_pass(agent, ctx, pass_id, retain_graph, None)
+            run = _start_pass(agent, ctx, pass_id, retain_graph, None, requester)
         run.deliver(message_id, list(grads))
     except Exception as exc:
         # The sender does not wait for this answer when we started the pass (see engine.py):
@@ -208,11 +243,16 @@ def _backward_request(context_id: int, message_id: int, pass_id: int, retain_gra
         if own is not None:
             own.fail(exc)
         raise
-    if first:
-        return run.done
-    answered: torch.futures.Future = torch.futures.Future()
-    answered.set_result(None)
-    return answered
+    return run, first
+
+
+def _riding_gradients(riding: tuple[RecvInfo, list] | None, pass_id: int, retain_graph: bool) -> list | None:
+    """The gradients that ride on the answer to the request that started a pass, as the
+    arguments of their delivery at the requester (None if none)."""
+    if riding is None:
+        return None
+    info, grads = riding
+    return [info.context_id, info.message_id, pass_id, retain_graph, grads]
 
 
 _backward_request._wrapped_async_rpc_function = _backward_request

@@ -51,7 +51,7 @@ from torch.autograd.graph import GradientEdge
 from .. import timers
 from ..rpc.errors import RpcError
 from .context import DistAutogradContext, add_gradients
-from .functions import is_leaf_node, is_recv_node, profiled, recv_info
+from .functions import RecvInfo, is_leaf_node, is_recv_node, profiled, recv_info
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class Pass:
     def __init__(
         self, context: DistAutogradContext, plan: Plan, pass_id: int, retain_graph: bool, worker_id: int,
         send_gradients: Callable[[Any, list, "Pass", bool], torch.futures.Future | None], home: bool = False,
-        idle_timeout: float | None = None,
+        idle_timeout: float | None = None, requester: int | None = None,
     ):
         self.context = context
         self.plan = plan
@@ -226,6 +226,13 @@ class Pass:
         self._remaining = len(plan.groups) + len(self._exit_waiting)
         self._outstanding = 0
         self._error: BaseException | None = None
+        # The worker whose gradient request started this pass here (None on the originator):
+        # it waits for our answer, which is sent once the pass is done.
+        self.requester = requester
+        # Gradients that go back with that answer instead of in a request of their own: a
+        # recv function whose tensors the requester sent us, when it is the last thing the
+        # pass does (see _fire_recv). ``done``'s result then.
+        self.answer: tuple[RecvInfo, list] | None = None
         self.done = torch.futures.Future()  # all local work and every request we sent
         self.node_runs = 0  # groups and recv functions run (tests count them)
         # The caller of backward() runs its pass's work itself (``run_at_home``): its
@@ -365,13 +372,27 @@ class Pass:
     def _fire_recv(self, node: Any) -> None:
         """All gradients for a recv function are in: send them to the worker it came from."""
         info = recv_info(node)
-        awaited = info.from_worker == self.worker_id or info.from_worker != self.originator
         with self._lock:
             buffer = self._exit_buffers.pop(node, {})
+            # The last step of the pass sends to the worker waiting for our answer: the
+            # gradients ride on that answer, one message instead of a request, its answer
+            # and ours (the requester delivers them before it counts our answer in). Only
+            # for tensors that came in a request: the answer follows the response device map.
+            rides = (
+                info.from_worker == self.requester and not info.in_response
+                and self._remaining == 1 and self._outstanding == 0
+            )
+            awaited = not rides and (info.from_worker == self.worker_id or info.from_worker != self.originator)
             self._outstanding += awaited
             self.node_runs += 1
         grads = [buffer.get(slot) for slot in range(len(info.metadata))]
         del buffer
+        if rides:
+            self.answer = (info, grads)
+            with self._lock:
+                self._remaining -= 1
+            self._maybe_finish()
+            return
         try:
             with profiled("torch::distributed::autograd::RecvRpcBackward"):
                 future = self._send_gradients(info, grads, self, awaited)
@@ -441,7 +462,8 @@ class Pass:
                 return
             # Claim completion under the lock: two threads may see the last step at once.
             self._error = _FINISHED
-        self.done.set_result(None)
+        answer, self.answer = self.answer, None
+        self.done.set_result(answer)
 
     def fail(self, exc: BaseException) -> None:
         with self._lock:
