@@ -15,6 +15,7 @@ from transport import (
     PROTOCOL_VERSION,
     Codec,
     Extension,
+    ExtensionNotDecoded,
     LocalProtocolError,
     Message,
     MessageTooLargeError,
@@ -132,6 +133,18 @@ def test_extension_and_fallback():
     fallback_ext = Extension(21, object, lambda o: None, lambda v: "rebuilt")
     codec = Codec(extensions=[fallback_ext], fallback=lambda obj: (fallback_ext, "state"))
     assert round_trip([Opaque()], codec)[0] == ["rebuilt"]
+
+
+def test_plain_decoding_refuses_extensions_and_keeps_the_rest():
+    codec = Codec()
+    frames = codec.encode(Message(MessageType.PYTHON_RET, 1, "a", {"v": (torch.ones(2), torch.Size([2]))}))
+    plain = codec.decode_payload(codec.decode_envelope(frames), plain=True)  # built-in extensions only
+    assert type(plain["v"]) is tuple and torch.equal(plain["v"][0], torch.ones(2)) and plain["v"][1] == torch.Size([2])
+    codec = Codec(extensions=[Extension(20, complex, lambda c: [c.real, c.imag], lambda v: complex(*v))])
+    envelope = codec.decode_envelope(codec.encode(Message(MessageType.PYTHON_RET, 1, "a", {"v": [1j]})))
+    with pytest.raises(ExtensionNotDecoded):
+        codec.decode_payload(envelope, plain=True)
+    assert codec.decode_payload(envelope) == {"v": [1j]}
 
 
 def test_invalid_messages_are_refused_on_encode():

@@ -69,6 +69,35 @@ def test_rpc_async_futures_and_wait_all(group):
     assert chained.wait() == 30
 
 
+def test_rpc_async_answers_completed_by_the_io_thread_never_run_user_callbacks_there(group):
+    # Answers to futures nobody registered a callback on are completed by the I/O thread;
+    # a callback registered before or after the answer must still run elsewhere, and
+    # answers that need the pool (pickled values, exceptions) must still arrive intact.
+    threads: list[str] = []
+    lock = threading.Lock()
+
+    def note(fut):
+        with lock:
+            threads.append(threading.current_thread().name)
+
+    before = [rpc.rpc_async("worker1", f.sleep_and_return, args=(0.05, i)) for i in range(4)]
+    for fut in before:
+        fut.add_done_callback(note)
+    plain = [rpc.rpc_async("worker2", torch.add, args=(torch.ones(2), i)) for i in range(16)]
+    assert [int(r[0]) for r in torch.futures.wait_all(plain)] == [i + 1 for i in range(16)]
+    for fut in plain:  # complete by now: the callback runs here, at registration
+        fut.add_done_callback(note)
+    assert [fut.wait() for fut in before] == [0, 1, 2, 3]
+    pickled = rpc.rpc_async("worker3", f.echo, args=(f.Point(3, 4),))
+    failing = rpc.rpc_async("worker3", f.raise_value_error, args=("inline?",))
+    assert pickled.wait() == f.Point(3, 4)
+    with pytest.raises(ValueError, match="inline"):
+        failing.wait()
+    with lock:
+        seen = list(threads)
+    assert len(seen) == 20 and not any(name.startswith("zmq-io") for name in seen), seen
+
+
 def test_remote_exception_keeps_type_names_worker_and_carries_traceback(group):
     with pytest.raises(ValueError) as caught:
         rpc.rpc_sync("worker2", f.raise_value_error, args=("expected failure",))

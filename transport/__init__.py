@@ -4,7 +4,7 @@ frames) and a ZeroMQ endpoint (one ROUTER socket per worker, owned by one I/O th
 It knows frames and tensors, not RPC.
 """
 
-from .codec import PROTOCOL_VERSION, Codec, Envelope, Extension, Message, MessageType
+from .codec import PROTOCOL_VERSION, Codec, Envelope, Extension, ExtensionNotDecoded, Message, MessageType
 from .faults import FaultPolicy
 from .errors import (
     DeviceMapError,
@@ -21,7 +21,7 @@ from .errors import (
 )
 
 __all__ = [
-    "PROTOCOL_VERSION", "FaultPolicy", "Codec", "Envelope", "Extension", "Message", "MessageType",
+    "PROTOCOL_VERSION", "FaultPolicy", "Codec", "Envelope", "Extension", "ExtensionNotDecoded", "Message", "MessageType",
     "DeviceMapError", "EndpointClosedError", "InjectedFaultError", "LocalProtocolError", "MessageTooLargeError",
     "PeerError", "PeerLostError", "ProtocolError", "RemoteProtocolError", "TransportError",
     "UnknownPeerError",

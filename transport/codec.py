@@ -304,13 +304,15 @@ class Codec:
             raise RemoteProtocolError("envelope payload must be bytes")
         return Envelope(message_type, message_id, sender, payload, frames[1:], total)
 
-    def decode_payload(self, envelope: Envelope, tensors: list | None = None) -> Any:
-        """The payload; ``tensors``, when given, receives its tensors in order."""
-        unpacker = _PayloadUnpacker(self, TensorDecoder(envelope.buffers, 1, self.device_map, tensors))
+    def decode_payload(self, envelope: Envelope, tensors: list | None = None, plain: bool = False) -> Any:
+        """The payload; ``tensors``, when given, receives its tensors in order. ``plain``: raise
+        ExtensionNotDecoded instead of decoding a registered extension (whose decoder may run
+        code of the layers above): for callers on a thread that must not run such code."""
+        unpacker = _PayloadUnpacker(self, TensorDecoder(envelope.buffers, 1, self.device_map, tensors), plain)
         try:
             payload = unpacker.unpack(envelope.payload_bytes)
             unpacker.tensors.check_all_used()
-        except (ProtocolError, DeviceMapError):
+        except (ProtocolError, DeviceMapError, ExtensionNotDecoded):
             raise
         except Exception as exc:
             raise RemoteProtocolError(
@@ -363,10 +365,15 @@ class _PayloadPacker:
         raise LocalProtocolError(f"cannot encode an object of type {kind.__module__}.{kind.__qualname__}")
 
 
+class ExtensionNotDecoded(Exception):
+    """``decode_payload(..., plain=True)`` met a registered extension type."""
+
+
 class _PayloadUnpacker:
-    def __init__(self, codec: Codec, tensors: TensorDecoder):
+    def __init__(self, codec: Codec, tensors: TensorDecoder, plain: bool = False):
         self.codec = codec
         self.tensors = tensors
+        self.plain = plain
 
     def unpack(self, data: bytes) -> Any:
         return msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, use_list=True, strict_map_key=False)
@@ -388,6 +395,8 @@ class _PayloadUnpacker:
         ext = self.codec._by_code.get(code)
         if ext is None:
             raise RemoteProtocolError(f"unknown extension type {code}")
+        if self.plain:
+            raise ExtensionNotDecoded(ext.code)
         return ext.decode(self.unpack(data))
 
 

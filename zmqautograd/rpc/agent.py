@@ -125,6 +125,35 @@ class _SyncSlot:
         return self._unfinished.acquire(timeout=self.timeout if bounded and self.timeout > 0 else -1)
 
 
+class _CallFuture(torch.futures.Future):
+    """The future of an ``rpc_async`` call. While nobody has registered a callback on it (most
+    callers ``wait()`` or ``wait_all``), the I/O thread completes it with a small plain
+    answer itself, one thread hand-over fewer than through the pool; a callback registered
+    since sends its answer through the pool, so user callbacks never run on the I/O thread.
+    ``_guard`` orders the two: a registration waits while the I/O thread completes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._guard = _allocate_lock()
+        self._observed = False
+
+    def then(self, callback: Callable) -> torch.futures.Future:
+        with self._guard:
+            self._observed = True
+        return super().then(callback)
+
+    def add_done_callback(self, callback: Callable) -> None:
+        with self._guard:
+            self._observed = True
+        super().add_done_callback(callback)
+
+
+# Answers the I/O thread may complete a _CallFuture with: not exceptions (rebuilding one may
+# import and run the exception's class) and not autograd answers (they record a recv function).
+_PLAIN_RESPONSE_TYPES = frozenset(REQUEST_TYPES.values()) - {MessageType.FORWARD_AUTOGRAD_RESP}
+_INLINE_MAX_BYTES = 1 << 16  # bigger answers are decoded on the pool (CUDA copies among them)
+
+
 @dataclass
 class _Pending:
     future: torch.futures.Future | _SyncSlot
@@ -252,7 +281,7 @@ class Agent:
             payload["ag"] = autograd
             message_type = MessageType.FORWARD_AUTOGRAD_REQ
         timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
-        future = _SyncSlot(timeout) if sync else torch.futures.Future()
+        future = _SyncSlot(timeout) if sync else _CallFuture()
         message_id = next(self._ids)
         message = Message(message_type, message_id, str(self.rank), payload)
         with self._lock:
@@ -376,16 +405,42 @@ class Agent:
             slot.wait(bounded=False)  # complete now, or at once: whoever took it completes it
 
     def _route_to_waiter(self, peer: str, envelope: Envelope) -> bool:
-        """On the I/O thread: a response to an rpc_sync goes to its waiting thread at once."""
+        """On the I/O thread (holding the socket lock: nothing here may send): a response to
+        an rpc_sync goes to its waiting thread at once, undecoded; a small plain response
+        to an rpc_async nobody registered a callback on completes its future here."""
         if envelope.type not in RESPONSE_TYPES:
             return False
         pending = self._pending.get(envelope.id)  # dict lookups are atomic
-        if pending is None or not isinstance(pending.future, _SyncSlot):
+        if pending is None:
             return False
-        with self._lock:
-            if self._take(envelope.id) is None:
-                return True  # timed out meanwhile: already failed
-        pending.future.set_envelope(envelope, pending.to)
+        future = pending.future
+        if type(future) is _SyncSlot:
+            with self._lock:
+                if self._take(envelope.id) is None:
+                    return True  # timed out meanwhile: already failed
+            future.set_envelope(envelope, pending.to)
+            return True
+        if type(future) is not _CallFuture or envelope.type not in _PLAIN_RESPONSE_TYPES \
+                or envelope.nbytes > _INLINE_MAX_BYTES:
+            return False
+        with future._guard:
+            if future._observed:
+                return False
+            tensors: list = []
+            try:
+                payload = self.codec.decode_payload(envelope, tensors, plain=True)
+            except Exception:  # an extension, or malformed: the pool's path decodes or reports it
+                return False
+            if not isinstance(payload, dict) or "v" not in payload:
+                return False
+            with self._lock:
+                if self._take(envelope.id) is None:
+                    return True  # timed out meanwhile: already failed
+            value, error = self._response_value(Message(envelope.type, envelope.id, envelope.sender, payload, tensors), pending.to)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
         return True
 
     def _decode_response(self, envelope: Envelope, to: WorkerInfo) -> tuple[Any, BaseException | None]:
