@@ -96,7 +96,9 @@ class DistAutogradContext:
         ``.grad``: the first gradient is kept as it is when nothing else references it
         (``may_steal``) and it obeys the variable's layout, else it is copied; later ones are
         summed out of place, so a gradient handed out by ``get_gradients`` never changes."""
-        with torch.no_grad(), self._lock:
+        if grad.requires_grad:  # (never, without create_graph) kept out of any graph:
+            grad = grad.detach()  # cheaper than torch.no_grad() around every accumulation
+        with self._lock:
             old = self._grads.get(variable)
             if old is None:
                 if not (may_steal and _obeys_layout(variable, grad)):
@@ -122,6 +124,10 @@ def _obeys_layout(variable: torch.Tensor, grad: torch.Tensor) -> bool:
         return grad._indices().is_contiguous() and grad._values().is_contiguous()
     if grad.layout != torch.strided or variable.is_sparse:
         return True
+    if variable.is_contiguous() and grad.is_contiguous() and grad.shape == variable.shape:
+        # The common case, decided without walking the strides: equal on every dim of size
+        # > 1; a size-1 dim of stride 0 marks a view, which is not kept (torch's rule).
+        return 0 not in grad.stride()
     if _dense_non_overlapping(variable):
         return grad.stride() == variable.stride()
     return grad.is_contiguous()

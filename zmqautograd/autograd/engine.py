@@ -67,6 +67,7 @@ class _Group:
     nodes: list
     captures: list = field(default_factory=list)  # edges leaving the group, deduplicated
     capture_edges: tuple = ()  # the same, as GradientEdges (the engine's inputs)
+    capture_leaves: tuple = ()  # for each, whether it is a leaf's AccumulateGrad
     feeders: set = field(default_factory=set)  # indices of groups with edges into this one
     feeds: list = field(default_factory=list)  # indices of the groups it has edges into
     recv_targets: list = field(default_factory=list)  # recv functions among its exits
@@ -127,6 +128,12 @@ class Plan:
             group.feeds = [other.index for other in self.groups if group.index in other.feeders]
             group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if is_recv_node(t)))
             group.capture_edges = tuple(GradientEdge(node, slot) for node, slot in group.captures)
+            group.capture_leaves = tuple(is_leaf_node(node) for node, _ in group.captures)
+        # Per root: the recv functions its own edges point at (they wait for its delivery).
+        self.direct_exits = {
+            key: [node for node, e in self.exits.items() if e.direct_roots & bit and is_recv_node(node)]
+            for key, bit in self.root_bits.items()
+        }
 
     def _masks(self, nodes: list, successors: dict) -> dict[Any, int]:
         masks = {node: 0 for node in nodes}
@@ -268,11 +275,10 @@ class Pass:
             for (node, slot), grad in zip(plan.roots[key], grads):
                 if grad is not None:
                     self._buffer(node, slot, grad)
-            for node, exit_ in plan.exits.items():
-                if exit_.direct_roots & bit and node in self._exit_waiting:
-                    self._exit_waiting[node] -= 1
-                    if self._exit_waiting[node] == 0:
-                        fire.append(node)
+            for node in plan.direct_exits[key]:
+                self._exit_waiting[node] -= 1
+                if self._exit_waiting[node] == 0:
+                    fire.append(node)
             ready = self._ready_groups()
         if self._home is not None and threading.get_ident() != self._home:
             self._home_queue.put((ready, fire))
@@ -346,10 +352,10 @@ class Pass:
         fire = []
         with self._lock:
             self.node_runs += 1
-            for (target, slot), grad in zip(group.captures, results):
+            for (target, slot), leaf, grad in zip(group.captures, group.capture_leaves, results):
                 if grad is None:
                     continue
-                if is_leaf_node(target):
+                if leaf:
                     # Outside the lock would be nicer; the context has its own lock and
                     # accumulating is cheap next to the group's backward.
                     self.context.accumulate_grad(target.variable, grad, may_steal=id(grad) not in aliased and grad._use_count() <= 1)
