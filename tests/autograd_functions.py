@@ -71,3 +71,22 @@ def scale(x: torch.Tensor, factor: float, tag: str) -> torch.Tensor:
 
 def combine(a: torch.Tensor, b: torch.Tensor, tag: str) -> torch.Tensor:
     return Counted.apply(a * b + a, tag)
+
+
+def set_cleanup_delay(seconds: float) -> float:
+    """Set how long context releases for other workers wait for a ride (see
+    autograd/cleanup.py); returns the previous delay."""
+    cleanups = rpc.api._current().autograd.cleanups
+    previous, cleanups.delay = cleanups.delay, seconds
+    return previous
+
+
+def has_context(context_id: int) -> bool:
+    import zmqautograd.autograd as dist_autograd
+
+    return dist_autograd._is_valid_context(context_id)
+
+
+def forward_to(worker: str, x: torch.Tensor) -> torch.Tensor:
+    """A nested call: this worker learns of the context and passes x on to ``worker``."""
+    return rpc.rpc_sync(worker, torch.mul, args=(x, 2))

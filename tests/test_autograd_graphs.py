@@ -145,3 +145,23 @@ def test_a_pass_waiting_for_gradients_that_never_come_fails_after_the_rpc_timeou
             assert 1.5 < time.monotonic() - started < 10
     finally:
         rpc._set_rpc_timeout(previous)
+
+
+def test_context_releases_ride_on_the_next_call_and_pass_on_to_nested_workers(group):
+    # With the batch timer an hour out, a release can only travel on a call: the next call
+    # to a worker must carry it there, and that worker pass it on (on its next call).
+    previous = {w: rpc.rpc_sync(w, af.set_cleanup_delay, args=(3600.0,)) for w in group.names}
+    try:
+        x = torch.ones(3, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            rpc.rpc_sync("worker1", af.forward_to, args=("worker2", x))
+        # The call that asks worker1 carried the release: worker1 no longer has the context.
+        assert rpc.rpc_sync("worker1", af.has_context, args=(context_id,)) is False
+        # worker1 passed it on to worker2 with its next call there.
+        assert rpc.rpc_sync("worker2", af.has_context, args=(context_id,)) is True
+        rpc.rpc_sync("worker1", af.forward_to, args=("worker2", torch.ones(1)))
+        assert rpc.rpc_sync("worker2", af.has_context, args=(context_id,)) is False
+    finally:
+        for worker, delay in previous.items():
+            rpc.rpc_sync(worker, af.set_cleanup_delay, args=(delay,))
+

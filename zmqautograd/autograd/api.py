@@ -3,7 +3,6 @@ functions other workers call by RPC (gradient requests, context cleanup)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from typing import Any, Sequence
@@ -14,6 +13,7 @@ from transport import MessageType
 
 from ..rpc import current
 from ..rpc.errors import RpcError
+from . import cleanup
 from .context import ContextContainer, DistAutogradContext
 from .engine import LOCAL_ROOT, Pass, Plan
 from .functions import RecvInfo, profiled
@@ -90,7 +90,7 @@ def _release_context(context_id: int) -> None:
     context = agent.autograd.remove(context_id)
     if context is None:
         raise RpcError(f"Could not find autograd context with id: {context_id}")
-    _send_cleanup(agent, context)
+    cleanup.release_everywhere(agent, context)
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
@@ -256,40 +256,3 @@ def _riding_gradients(riding: tuple[RecvInfo, list] | None, pass_id: int, retain
 
 
 _backward_request._wrapped_async_rpc_function = _backward_request
-
-
-def _cleanup_contexts(context_ids: list, from_worker: int = -1) -> None:
-    """A peer released contexts: release them here too, and pass them on (idempotent)."""
-    agent = _agent()
-    for context_id in context_ids:
-        ctx = agent.autograd.remove(context_id)
-        if ctx is not None:
-            _send_cleanup(agent, ctx, skip=from_worker)
-
-
-def _send_cleanup(agent: Any, ctx: DistAutogradContext, skip: int = -1) -> None:
-    """Release ``ctx`` on every worker it reached (but ``skip``), with the next batch."""
-    send = functools.partial(_send_cleanup_batch, agent)
-    for worker in sorted(ctx._known_worker_ids()):
-        if worker not in (agent.rank, skip):  # not back to whoever told us
-            agent.autograd.cleanups.add(worker, ctx.context_id, send)
-
-
-def _send_cleanup_batch(agent: Any, worker: int, context_ids: list) -> None:
-    if agent.closed:  # shut down meanwhile without waiting (graceful shutdown flushes first)
-        log.debug("not releasing autograd contexts %s on worker %d: RPC is shut down", context_ids, worker)
-        return
-    try:
-        sent = agent.call_retrying(worker, _cleanup_contexts, (context_ids, agent.rank),
-                                   MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
-    except RuntimeError as exc:
-        log.warning("could not release autograd contexts %s on worker %d: %s", context_ids, worker, exc)
-        return
-    sent.add_done_callback(lambda f: _log_cleanup_failure(f, context_ids, worker))
-
-
-def _log_cleanup_failure(future: torch.futures.Future, context_ids: list, worker: int) -> None:
-    try:
-        future.value()
-    except Exception as exc:  # noqa: BLE001
-        log.warning("could not release autograd contexts %s on worker %d: %s", context_ids, worker, exc)

@@ -1,41 +1,69 @@
-"""Context releases bound for other workers, sent in batches.
+"""Releasing contexts on the other workers they reached.
 
-Leaving a context releases it on every worker it reached, by a cleanup message to each (the
-seeds send one per context and worker, and the sender does not wait for it). In a training
-loop that is one more request and answer per worker and step, as many messages as a small
-forward call costs. Here releases for one worker wait up to ``delay`` and go together, as one
-cleanup message listing the context ids: at a few steps per ``delay``, the cleanup traffic of
-a step shrinks to a fraction of a message. Nothing waits for a release to arrive (as in the
-seeds), and a graceful shutdown sends what is pending first (``flush``).
+Leaving a context releases it on every worker it reached (the seeds send a cleanup request
+to each, and nobody waits for it), and each of those passes the release on to the workers
+it reached in turn. In a training loop that is one more request and answer per worker and
+step: as many messages as a small forward call, and processed in the middle of the next
+step. Here a release for a worker waits in a batch, and leaves with whichever comes first:
+
+* the next call this worker makes to that worker: the context ids ride on the request
+  (``"rc"`` in its payload) and the receiver releases them before it serves the call. In a
+  loop that calls the same workers every step, releases then cost no message at all;
+* after ``delay``, one cleanup request listing the batch, retried on failure;
+* a graceful shutdown, which sends every batch first (``CleanupBatcher.flush``).
+
+Rides are skipped under fault injection: a call that an injected fault drops would drop its
+releases with it; the cleanup requests are retried instead.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from transport import MessageType
 
 from .. import timers
+from ..rpc import current
 
-DEFAULT_DELAY = 0.005  # seconds; the timer thread may fire up to 5 ms later still
+log = logging.getLogger(__name__)
+
+DEFAULT_DELAY = 0.01  # seconds; the timer thread may fire up to 5 ms later still
 
 Send = Callable[[int, list], None]  # send(worker, context_ids)
 
 
 class CleanupBatcher:
+    """Context ids to release on other workers, by worker."""
+
     def __init__(self, delay: float = DEFAULT_DELAY):
         self.delay = delay
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Send, list[int]]] = {}  # worker -> (how to send, ids)
 
-    def add(self, worker: int, context_id: int, send: Send) -> None:
-        """Release ``context_id`` on ``worker`` with the next batch (``send`` sends a batch)."""
+    def add(self, worker: int, context_ids: list[int], send: Send) -> None:
+        """Release ``context_ids`` on ``worker`` with the next ride or batch (``send`` sends a
+        batch as a request of its own)."""
         with self._lock:
             entry = self._pending.get(worker)
             if entry is not None:
-                entry[1].append(context_id)
+                entry[1].extend(context_ids)
                 return
-            self._pending[worker] = (send, [context_id])
+            self._pending[worker] = (send, list(context_ids))
         timers.call_later(self.delay, self._flush_worker, worker)
+
+    def take(self, worker: int) -> tuple[Send, list[int]] | None:
+        """What waits for ``worker``, for a request about to leave for it to carry (give it
+        back with ``add`` if that request cannot be sent)."""
+        if not self._pending:  # the common case, without the lock (a racing add rides next time)
+            return None
+        with self._lock:
+            return self._pending.pop(worker, None)
 
     def flush(self) -> None:
         """Send every pending batch now."""
@@ -54,3 +82,45 @@ class CleanupBatcher:
         if entry is not None:
             send, ids = entry
             send(worker, ids)
+
+
+def release_everywhere(agent: Any, context: Any, skip: int = -1) -> None:
+    """Release ``context`` (already removed here) on every worker it reached but ``skip``."""
+    send = functools.partial(_send_batch, agent)
+    for worker in sorted(context._known_worker_ids()):
+        if worker not in (agent.rank, skip):  # not back to whoever told us
+            agent.autograd.cleanups.add(worker, [context.context_id], send)
+
+
+def release_here(agent: Any, context_ids: list, from_worker: int) -> None:
+    """``from_worker`` released these contexts: release them here too, and pass them on.
+    Idempotent; unknown ids are fine (never here, or released already)."""
+    for context_id in context_ids:
+        context = agent.autograd.remove(context_id)
+        if context is not None:
+            release_everywhere(agent, context, skip=from_worker)
+
+
+def cleanup_contexts(context_ids: list, from_worker: int = -1) -> None:
+    """The receiving end of a cleanup request (CLEANUP_AUTOGRAD_CONTEXT_REQ)."""
+    release_here(current.agent(), context_ids, from_worker)
+
+
+def _send_batch(agent: Any, worker: int, context_ids: list) -> None:
+    if agent.closed:  # shut down meanwhile without waiting (graceful shutdown flushes first)
+        log.debug("not releasing autograd contexts %s on worker %d: RPC is shut down", context_ids, worker)
+        return
+    try:
+        sent = agent.call_retrying(worker, cleanup_contexts, (context_ids, agent.rank),
+                                   MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
+    except RuntimeError as exc:
+        log.warning("could not release autograd contexts %s on worker %d: %s", context_ids, worker, exc)
+        return
+    sent.add_done_callback(lambda f: _log_failure(f, context_ids, worker))
+
+
+def _log_failure(future: torch.futures.Future, context_ids: list, worker: int) -> None:
+    try:
+        future.value()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("could not release autograd contexts %s on worker %d: %s", context_ids, worker, exc)

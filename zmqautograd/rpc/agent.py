@@ -35,6 +35,7 @@ from .rendezvous import Member, Rendezvous, advertise_address
 from .rref import RRef, RRefContext
 from .serialization import RpcCodec, decode_exception, encode_exception, encode_function, resolve_function
 from .. import timers
+from ..autograd import cleanup
 from ..autograd import forward as autograd_forward
 from ..autograd.context import ContextContainer
 
@@ -280,12 +281,17 @@ class Agent:
         if autograd is not None:
             payload["ag"] = autograd
             message_type = MessageType.FORWARD_AUTOGRAD_REQ
+        # Context releases waiting for this worker ride along (autograd/cleanup.py).
+        releases = self.autograd.cleanups.take(info.id) if self.endpoint.faults is None else None
+        if releases is not None:
+            payload["rc"] = releases[1]
         timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
         future = _SyncSlot(timeout) if sync else _CallFuture()
         message_id = next(self._ids)
         message = Message(message_type, message_id, str(self.rank), payload)
         with self._lock:
             if self._stopping:
+                self._give_back(info, releases)
                 raise RpcError("RPC is shutting down on this worker")
             self._pending[message_id] = _Pending(future, info, timeout)
             if barrier:
@@ -304,10 +310,16 @@ class Agent:
         except BaseException as exc:
             with self._lock:  # never sent: nothing will complete it
                 self._take(message_id)
+            self._give_back(info, releases)
             if isinstance(exc, (TransportError, SerializationError)):
                 raise _with_context(exc, f"cannot send a call to {info}") from None
             raise
         return future
+
+    def _give_back(self, info: WorkerInfo, releases: tuple | None) -> None:
+        """Releases that were to ride on a request that did not leave go with the next one."""
+        if releases is not None:
+            self.autograd.cleanups.add(info.id, releases[1], releases[0])
 
     def _transmit(self, info: WorkerInfo, message: Message, frames: list) -> None:
         """Hand an encoded request to the transport, or to our own pool for a self call
@@ -492,6 +504,11 @@ class Agent:
         context = None
         try:
             payload = message.payload
+            if "rc" in payload:  # context releases that rode along (autograd/cleanup.py)
+                try:
+                    cleanup.release_here(self, payload["rc"], int(message.sender))
+                except Exception:  # noqa: BLE001 - never the call's failure
+                    log.exception("%s: releasing the contexts %s from %s failed", self.info, payload["rc"], message.sender)
             if message.type is MessageType.FORWARD_AUTOGRAD_REQ:
                 context = autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], int(message.sender))
             function = resolve_function(payload["f"])
