@@ -195,7 +195,7 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool) -> to
         try:
             riding = future.value()
             if riding is not None:
-                _accept_gradients(agent, *riding)
+                _accept_gradients(agent, *riding, start=False)
         except Exception as exc:  # noqa: BLE001 - fails our pass (its _request_done)
             delivered.set_exception(exc)
             return
@@ -223,16 +223,19 @@ def _backward_request(context_id: int, message_id: int, pass_id: int, retain_gra
 
 
 def _accept_gradients(agent: Any, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
-                      requester: int | None = None) -> tuple[Pass, bool]:
+                      requester: int | None = None, start: bool = True) -> tuple[Pass, bool]:
     """Deliver the gradients for send function ``message_id`` to pass ``pass_id`` here,
-    starting it if it is new (``requester`` waits for its answer). The pass, and whether it
-    is new."""
+    starting it if it is new and ``start`` (``requester`` waits for its answer). The pass,
+    and whether it is new. Gradients riding on an answer never start a pass: the pass that
+    asked is here, or was superseded (they are then dropped with an error)."""
     try:
         ctx = agent.autograd.retrieve(context_id)
         ctx.send_function(message_id)  # a clear error for an unknown message id
         with _pass_lock:
             run = ctx.current_pass
             first = run is None or run.pass_id != pass_id
+        if first and not start:
+            raise RpcError(f"backward pass {pass_id} of context {context_id} is no longer running here")
         if first:
             run = _start_pass(agent, ctx, pass_id, retain_graph, None, requester)
         run.deliver(message_id, list(grads))
