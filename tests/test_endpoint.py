@@ -358,3 +358,33 @@ def test_messages_sent_just_before_close_arrive_before_the_loss():
             assert got[200] == ("lost", sender.identity)
     finally:
         receiver.close()
+
+
+def test_inline_handlers_run_on_the_io_thread_in_order_and_may_send():
+    """Opt-in: handlers on the I/O thread itself, in order, replying from there, and the
+    loss of a peer reported after its last message."""
+    events = queue.SimpleQueue()
+
+    def echo(message: Message) -> None:
+        events.put(("message", message.payload, threading.current_thread().name))
+        server.send(message.sender, Message(MessageType.PYTHON_RET, message.id, server.identity, message.payload))
+
+    server = Endpoint(
+        "inline-server", on_message=echo, inline_handlers=True,
+        on_peer_lost=lambda peer, error: events.put(("lost", peer, threading.current_thread().name)),
+    )
+    try:
+        client = Endpoint("inline-client")
+        client.connect("inline-server", server.address)
+        for seq in range(200):
+            client.send("inline-server", Message(MessageType.PYTHON_CALL, seq + 1, "inline-client", seq))
+        assert [client.recv(10).payload for _ in range(200)] == list(range(200))
+        client.close()
+        got = [events.get(timeout=10) for _ in range(201)]
+        assert [event[:2] for event in got[:200]] == [("message", seq) for seq in range(200)]
+        assert got[200][:2] == ("lost", "inline-client")
+        assert {event[2] for event in got} == {server._io_thread.name}
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="inline_handlers"):
+        Endpoint("no-handler", inline_handlers=True)

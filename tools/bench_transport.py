@@ -11,6 +11,7 @@ real tensor (encoded, validated and rebuilt on both sides).
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import statistics
@@ -83,7 +84,7 @@ class RawClient:
 # ----------------------------------------------------------------------------- zmqautograd
 
 
-def _endpoint_server(address_queue: mp.Queue) -> None:
+def _endpoint_server(address_queue: mp.Queue, inline_handlers: bool = False) -> None:
     stop = threading.Event()
 
     def echo(message: Message) -> None:
@@ -92,7 +93,7 @@ def _endpoint_server(address_queue: mp.Queue) -> None:
             return
         endpoint.send(message.sender, Message(MessageType.PYTHON_RET, message.id, "server", message.payload))
 
-    endpoint = Endpoint("server", on_message=echo)
+    endpoint = Endpoint("server", on_message=echo, inline_handlers=inline_handlers)
     address_queue.put(endpoint.address)
     endpoint.expect("client")
     stop.wait()
@@ -102,8 +103,8 @@ def _endpoint_server(address_queue: mp.Queue) -> None:
 class EndpointClient:
     """zmqautograd Endpoint client of an Endpoint echo server in another process."""
 
-    def __init__(self) -> None:
-        self.server, address = _spawn_server(_endpoint_server)
+    def __init__(self, inline_handlers: bool = False) -> None:
+        self.server, address = _spawn_server(functools.partial(_endpoint_server, inline_handlers=inline_handlers))
         self.endpoint = Endpoint("client")
         self.endpoint.connect("server", address)
         self.endpoint.wait_for_peer("server", 30)
@@ -142,13 +143,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per size")
     parser.add_argument("--small-per-round", type=int, default=300)
     args = parser.parse_args()
-    clients = {"raw": RawClient(), "ours": EndpointClient()}
+    # "inline": the echo server with the opt-in inline_handlers (its handler runs on the I/O
+    # thread); measured for the small round trip only, where the hand-over it saves shows.
+    clients = {"raw": RawClient(), "ours": EndpointClient(), "inline": EndpointClient(inline_handlers=True)}
     try:
         rows = [("small", torch.zeros(2), args.small_per_round)]
         rows += [(f"{mb}MB", torch.ones(mb << 20, dtype=torch.uint8), 1 if mb > 1 else 5) for mb in SIZES_MB]
         print(f"{'round trip':<12}{'raw pyzmq':>14}{'zmqautograd':>14}{'ratio':>8}   goal", flush=True)
         for key, payload, per_round in rows:
-            result = compare(clients, payload, args.rounds, per_round)
+            contenders = clients if key == "small" else {k: v for k, v in clients.items() if k != "inline"}
+            result = compare(contenders, payload, args.rounds, per_round)
             goal = "<= 2.0x" if key == "small" else "<= 1.3x" if key == "64MB" else ""
             unit, scale = ("us", 1e6) if key == "small" else ("ms", 1e3)
             print(
@@ -156,6 +160,12 @@ def main() -> None:
                 f"{result['ours'] / result['raw']:>7.2f}x   {goal}",
                 flush=True,
             )
+            if "inline" in result:
+                print(
+                    f"{'  inline':<12}{'':>14}{result['inline'] * scale:>11.1f} {unit}"
+                    f"{result['inline'] / result['raw']:>7.2f}x   (opt-in inline_handlers on the server)",
+                    flush=True,
+                )
     finally:
         for client in clients.values():
             client.close()

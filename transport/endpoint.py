@@ -165,6 +165,13 @@ class Endpoint:
             block or run user code.
         faults: a :class:`~transport.faults.FaultPolicy` applied to what is sent (and, for
             partitions, received): fault-injection runs and tests.
+        inline_handlers: opt-in. ``on_message`` and ``on_peer_lost`` run on the I/O thread
+            itself, right after each receive batch and outside the socket lock (they may
+            send), in arrival order: one thread hand-over fewer per message. While a handler
+            runs, all of the endpoint's I/O waits (receiving, HELLOs, heartbeats: a handler
+            that runs longer than the peers' ``peer_timeout`` gets this endpoint declared
+            lost), so this is for quick handlers only; the default keeps them on the
+            dispatcher thread, where a slow one never stalls the socket.
     """
 
     def __init__(
@@ -180,9 +187,12 @@ class Endpoint:
         executor: Callable[..., None] | None = None,
         on_envelope: Callable[[str, Envelope], bool] | None = None,
         faults: FaultPolicy | None = None,
+        inline_handlers: bool = False,
     ):
         if not identity or len(identity.encode()) > 255 or identity.startswith("\0"):
             raise ValueError(f"invalid endpoint identity {identity!r}")
+        if inline_handlers and (on_message is None or executor is not None):
+            raise ValueError("inline_handlers needs on_message and no executor")
         self.identity = identity
         self.codec = codec or Codec()
         self.options = options or EndpointOptions()
@@ -211,6 +221,9 @@ class Endpoint:
         self._thread_local = threading.local()
         self._dispatch_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue | None = None if on_message else queue.SimpleQueue()
+        # With inline_handlers: callbacks the I/O thread runs after its receive batch (only
+        # the I/O thread appends and pops).
+        self._inline: deque | None = deque() if inline_handlers else None
 
         self._context = zmq.Context()
         self.addresses: list[str] = []
@@ -452,6 +465,8 @@ class Endpoint:
                 self._closed = True
             with self._socket_lock:
                 self._fail_all_peers("the endpoint's I/O thread failed")
+            if self._inline:
+                self._run_inline()
         finally:
             self._close_sockets(linger=self.options.close_linger)
 
@@ -544,14 +559,28 @@ class Endpoint:
                     self._read_monitor()
                 if self._zap is not None and self._zap in ready:
                     self._authenticate()
-                if not self._drain_outbox():
-                    return
-                if self._closing:
-                    self._declare_gone_peers_lost()
-                now = time.monotonic()
-                if now >= next_tick:
-                    self._tick(now)
-                    next_tick = now + interval
+                closing = not self._drain_outbox()
+                if not closing:
+                    if self._closing:
+                        self._declare_gone_peers_lost()
+                    now = time.monotonic()
+                    if now >= next_tick:
+                        self._tick(now)
+                        next_tick = now + interval
+            if self._inline:
+                self._run_inline()
+            if closing:
+                return
+
+    def _run_inline(self) -> None:
+        """Run the handlers of what the last batch received (inline_handlers), in order."""
+        inline = self._inline
+        while inline:
+            function, args = inline.popleft()
+            try:
+                function(*args)
+            except Exception:
+                log.exception("endpoint %s: callback %s failed", self.identity, getattr(function, "__name__", function))
 
     def _drain_outbox(self) -> bool:
         """Execute queued commands (under the socket lock); False once told to close. Only
@@ -700,6 +729,8 @@ class Endpoint:
             return
         if self._inbox is not None:
             self._inbox.put((peer, envelope))
+        elif self._inline is not None:
+            self._inline.append((self._deliver, (peer, envelope)))
         elif self._executor is not None:
             self._executor(self._deliver, peer, envelope)
         else:
@@ -819,7 +850,8 @@ class Endpoint:
         for message_id, _frames, _nbytes in waiting:
             self._report_send_error(peer, message_id, error)
         if self._on_peer_lost is not None:
-            self._dispatch_queue.put((self._on_peer_lost, (peer, error)))
+            # After every message that arrived from the peer, whichever thread runs handlers.
+            (self._inline.append if self._inline is not None else self._dispatch_queue.put)((self._on_peer_lost, (peer, error)))
 
     def _fail_all_peers(self, reason: str) -> None:
         with self._lock:
