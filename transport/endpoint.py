@@ -850,8 +850,11 @@ class Endpoint:
         for message_id, _frames, _nbytes in waiting:
             self._report_send_error(peer, message_id, error)
         if self._on_peer_lost is not None:
-            # After every message that arrived from the peer, whichever thread runs handlers.
-            (self._inline.append if self._inline is not None else self._dispatch_queue.put)((self._on_peer_lost, (peer, error)))
+            # After every message that arrived from the peer, on the thread that runs handlers.
+            if self._inline is not None:
+                self._inline.append((self._on_peer_lost, (peer, error)))
+            else:
+                self._dispatch_queue.put((self._on_peer_lost, (peer, error)))
 
     def _fail_all_peers(self, reason: str) -> None:
         with self._lock:

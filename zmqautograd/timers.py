@@ -70,8 +70,9 @@ class _TimerThread:
                     due.append(heapq.heappop(self._heap)[2])
                 if not due:
                     # Timers fire up to _SLACK late, so that ones due close together fire in
-                    # one wake-up: the RPC layer arms one per call and leaves it in the heap
-                    # when the call is answered, and a wake-up per call costs a context switch.
+                    # one wake-up: the RPC layer arms one per rpc_async call and leaves it in
+                    # the heap when the call is answered, and a wake-up per call costs a
+                    # context switch.
                     self._changed.wait(self._heap[0][0] - now + _SLACK if self._heap else None)
                     continue
                 self._lock.release()

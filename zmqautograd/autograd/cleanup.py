@@ -72,10 +72,6 @@ class CleanupBatcher:
         for worker, (send, ids) in pending.items():
             send(worker, ids)
 
-    def pending(self) -> int:
-        with self._lock:
-            return sum(len(ids) for _, ids in self._pending.values())
-
     def _flush_worker(self, worker: int) -> None:
         with self._lock:
             entry = self._pending.pop(worker, None)

@@ -308,8 +308,7 @@ class Agent:
             del tensors
             self._transmit(info, message, frames)
         except BaseException as exc:
-            with self._lock:  # never sent: nothing will complete it
-                self._take(message_id)
+            self._claim(message_id)  # never sent: nothing will complete it
             self._give_back(info, releases)
             if isinstance(exc, (TransportError, SerializationError)):
                 raise _with_context(exc, f"cannot send a call to {info}") from None
@@ -427,9 +426,8 @@ class Agent:
             return False
         future = pending.future
         if type(future) is _SyncSlot:
-            with self._lock:
-                if self._take(envelope.id) is None:
-                    return True  # timed out meanwhile: already failed
+            if self._claim(envelope.id) is None:
+                return True  # timed out meanwhile: already failed
             future.set_envelope(envelope, pending.to)
             return True
         if type(future) is not _CallFuture or envelope.type not in _PLAIN_RESPONSE_TYPES \
@@ -445,9 +443,8 @@ class Agent:
                 return False
             if not isinstance(payload, dict) or "v" not in payload:
                 return False
-            with self._lock:
-                if self._take(envelope.id) is None:
-                    return True  # timed out meanwhile: already failed
+            if self._claim(envelope.id) is None:
+                return True  # timed out meanwhile: already failed
             value, error = self._response_value(Message(envelope.type, envelope.id, envelope.sender, payload, tensors), pending.to)
             if error is not None:
                 future.set_exception(error)
@@ -575,8 +572,7 @@ class Agent:
             log.warning("%s: could not answer call %d from %s: %s", self.info, request.id, to, exc)
 
     def _complete(self, message: Message) -> None:
-        with self._lock:
-            pending = self._take(message.id)
+        pending = self._claim(message.id)
         if pending is None:
             log.debug("%s: late or unknown response %d (timed out?)", self.info, message.id)
             return
@@ -587,8 +583,7 @@ class Agent:
             pending.future.set_result(value)
 
     def _on_send_error(self, peer: str, message_id: int, error: Exception) -> None:
-        with self._lock:
-            pending = self._take(message_id)
+        pending = self._claim(message_id)
         if pending is not None:
             pending.future.set_exception(error)
 
@@ -611,8 +606,7 @@ class Agent:
 
     def _expire(self, message_id: int) -> None:
         """On the timer thread, at a call's deadline: fail it if it is still pending."""
-        with self._lock:
-            pending = self._take(message_id)
+        pending = self._claim(message_id)
         if pending is not None:
             pending.future.set_exception(RpcTimeoutError(
                 f"RPC ran for more than set timeout ({pending.timeout * 1000:.0f} ms) "
@@ -660,6 +654,13 @@ class Agent:
     def outstanding(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    def _claim(self, message_id: int) -> _Pending | None:
+        """Take a pending call out of the table to complete it: of all who may complete a call
+        (its answer, its timeout, a send error, a lost peer, shutdown), only the one that gets
+        it here does. None when someone else did."""
+        with self._lock:
+            return self._take(message_id)
 
     def _take(self, message_id: int) -> _Pending | None:
         """Remove a pending call (caller holds the lock) and wake wait_outstanding."""

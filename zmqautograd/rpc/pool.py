@@ -35,6 +35,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+
 class _ThreadPool(threading.local):
     pool: "ElasticPool | None" = None  # a class default: reading it on other threads never misses
 
