@@ -5,7 +5,13 @@ measured alternately, round by round, on one then the other, so that both see th
 machine noise. Prints medians and ratios (zmqautograd / TensorPipe: below 1 is better for
 times, above 1 for throughput).
 
-    python tools/bench.py [--rounds 9]
+Sharing processes flatters zmqautograd: TensorPipe's same-host transport keeps a thread per
+process busy-polling all the time, which keeps the CPUs awake for zmqautograd's threads too
+(docs/transport.md, "Busy polling"). So a second table measures small calls and a one-hop
+backward with each framework alone in its own pair of processes, the groups alternating
+round by round: TensorPipe, zmqautograd, and zmqautograd with the opt-in ``busy_poll``.
+
+    python tools/bench.py [--rounds 9] [--standalone-rounds 3]
 """
 
 from __future__ import annotations
@@ -133,11 +139,61 @@ def run(rank: int, tp_port: int, zmq_port: int, rounds: int) -> None:
     tp_rpc.shutdown()
 
 
+# ------------------------------------------------------------- each framework on its own
+
+BUSY_POLL = 0.02
+STANDALONE = {  # name -> (framework, zmqautograd's busy_poll)
+    "TensorPipe": ("tp", 0.0),
+    "zmqautograd": ("zmq", 0.0),
+    f"zmqautograd, busy_poll={BUSY_POLL}": ("zmq", BUSY_POLL),
+}
+
+
+def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -> None:
+    """One framework alone in two processes: rank 0 measures and puts its medians on
+    ``results``."""
+    if framework == "tp":
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        rpc, autograd = tp_rpc, tp_autograd
+        options = tp_rpc.TensorPipeRpcBackendOptions(num_worker_threads=16)
+    else:
+        rpc, autograd = zmq_rpc, zmq_autograd
+        options = zmq_rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", busy_poll=busy_poll)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    if rank == 0:
+        small_latency(rpc, 50)  # warm-up
+        one_hop_backward(rpc, autograd, 20)
+        latency = statistics.median(small_latency(rpc, 200) for _ in range(5))
+        hop = statistics.median(one_hop_backward(rpc, autograd, 50) for _ in range(5))
+        results.put((latency, hop))
+    rpc.shutdown()
+
+
+def standalone(rounds: int) -> None:
+    results = mp.get_context("spawn").SimpleQueue()
+    samples: dict[str, list] = {name: [] for name in STANDALONE}
+    for _ in range(rounds):
+        for name, (framework, busy_poll) in STANDALONE.items():
+            mp.spawn(run_alone, args=(framework, busy_poll, _free_port(), results), nprocs=2)
+            samples[name].append(results.get())
+    print(f"\neach framework alone, 2 processes ({rounds} alternating rounds)", flush=True)
+    print(f"{'':<38}{'rpc_sync small':>16}{'one hop fwd+bwd':>18}", flush=True)
+    tp_latency, tp_hop = (statistics.median(s[i] for s in samples["TensorPipe"]) for i in (0, 1))
+    for name, values in samples.items():
+        latency, hop = (statistics.median(v[i] for v in values) for i in (0, 1))
+        print(f"{name:<38}{latency * 1e6:>7.0f} us {latency / tp_latency:>5.2f}x"
+              f"{hop * 1e6:>9.0f} us {hop / tp_hop:>5.2f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--standalone-rounds", type=int, default=3, help="0 to skip the second table")
     args = parser.parse_args()
     mp.spawn(run, args=(_free_port(), _free_port(), args.rounds), nprocs=WORLD)
+    if args.standalone_rounds:
+        standalone(args.standalone_rounds)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ Raw pyzmq: DEALER -> ROUTER echo, zero-copy frames, no encoding at all: the floo
 ZeroMQ transport in Python stands on. zmqautograd: Endpoint -> Endpoint echo, the payload a
 real tensor (encoded, validated and rebuilt on both sides).
 
+The small round trip is also measured with the opt-in modes: ``inline_handlers`` on the echo
+server, and ``busy_poll`` on both ends, which is compared with a raw pyzmq ping-pong whose two
+ends also spin (poll without sleeping, yielding the CPU) instead of sleeping in ``recv``.
+
     python tools/bench_transport.py [--small-iters 5000] [--large-iters 10]
 """
 
@@ -28,7 +32,7 @@ import torch  # noqa: E402
 import zmq  # noqa: E402
 
 from transport import Message, MessageType  # noqa: E402
-from transport.endpoint import Endpoint  # noqa: E402
+from transport.endpoint import Endpoint, EndpointOptions  # noqa: E402
 from transport.tensors import as_buffer  # noqa: E402
 
 SIZES_MB = (1, 16, 64)
@@ -37,12 +41,25 @@ SIZES_MB = (1, 16, 64)
 # ----------------------------------------------------------------------------- raw pyzmq
 
 
-def _raw_server(address_queue: mp.Queue) -> None:
+BUSY_POLL = 0.02  # seconds of spinning after traffic, in the busy-polling variants
+
+
+def _spin_until_readable(socket: zmq.Socket) -> None:
+    """What busy polling does, for raw pyzmq: poll without sleeping (yielding the CPU) for up
+    to BUSY_POLL before the blocking receive."""
+    until = time.perf_counter() + BUSY_POLL
+    while not socket.poll(0) and time.perf_counter() < until:
+        os.sched_yield()
+
+
+def _raw_server(address_queue: mp.Queue, spin: bool = False) -> None:
     context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
     socket.bind("tcp://127.0.0.1:*")
     address_queue.put(socket.getsockopt(zmq.LAST_ENDPOINT).decode())
     while True:
+        if spin:
+            _spin_until_readable(socket)
         frames = socket.recv_multipart(copy=False)
         if frames[1].bytes == b"stop":
             return
@@ -61,8 +78,9 @@ def _spawn_server(target) -> tuple[mp.Process, str]:
 class RawClient:
     """DEALER client of a raw ROUTER echo server in another process."""
 
-    def __init__(self) -> None:
-        self.server, address = _spawn_server(_raw_server)
+    def __init__(self, spin: bool = False) -> None:
+        self.server, address = _spawn_server(functools.partial(_raw_server, spin=spin))
+        self.spin = spin
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.connect(address)
@@ -71,6 +89,8 @@ class RawClient:
     def round_trip(self, payload: torch.Tensor) -> None:
         buffer = as_buffer(payload) if payload.numel() > 64 else bytes(8)
         self.socket.send_multipart([self.header, buffer], copy=False)
+        if self.spin:
+            _spin_until_readable(self.socket)
         frames = self.socket.recv_multipart(copy=False)
         assert frames[1].buffer.nbytes == memoryview(buffer).nbytes
 
@@ -84,7 +104,7 @@ class RawClient:
 # ----------------------------------------------------------------------------- zmqautograd
 
 
-def _endpoint_server(address_queue: mp.Queue, inline_handlers: bool = False) -> None:
+def _endpoint_server(address_queue: mp.Queue, inline_handlers: bool = False, busy_poll: float = 0.0) -> None:
     stop = threading.Event()
 
     def echo(message: Message) -> None:
@@ -93,7 +113,8 @@ def _endpoint_server(address_queue: mp.Queue, inline_handlers: bool = False) -> 
             return
         endpoint.send(message.sender, Message(MessageType.PYTHON_RET, message.id, "server", message.payload))
 
-    endpoint = Endpoint("server", on_message=echo, inline_handlers=inline_handlers)
+    endpoint = Endpoint("server", on_message=echo, inline_handlers=inline_handlers,
+                        options=EndpointOptions(busy_poll=busy_poll))
     address_queue.put(endpoint.address)
     endpoint.expect("client")
     stop.wait()
@@ -103,9 +124,11 @@ def _endpoint_server(address_queue: mp.Queue, inline_handlers: bool = False) -> 
 class EndpointClient:
     """zmqautograd Endpoint client of an Endpoint echo server in another process."""
 
-    def __init__(self, inline_handlers: bool = False) -> None:
-        self.server, address = _spawn_server(functools.partial(_endpoint_server, inline_handlers=inline_handlers))
-        self.endpoint = Endpoint("client")
+    def __init__(self, inline_handlers: bool = False, busy_poll: float = 0.0) -> None:
+        self.server, address = _spawn_server(
+            functools.partial(_endpoint_server, inline_handlers=inline_handlers, busy_poll=busy_poll)
+        )
+        self.endpoint = Endpoint("client", options=EndpointOptions(busy_poll=busy_poll))
         self.endpoint.connect("server", address)
         self.endpoint.wait_for_peer("server", 30)
         self.ids = iter(range(1, 1 << 62))
@@ -143,15 +166,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per size")
     parser.add_argument("--small-per-round", type=int, default=300)
     args = parser.parse_args()
-    # "inline": the echo server with the opt-in inline_handlers (its handler runs on the I/O
-    # thread); measured for the small round trip only, where the hand-over it saves shows.
-    clients = {"raw": RawClient(), "ours": EndpointClient(), "inline": EndpointClient(inline_handlers=True)}
+    clients = {
+        "raw": RawClient(),
+        "ours": EndpointClient(),
+        "inline": EndpointClient(inline_handlers=True),
+        "raw_spin": RawClient(spin=True),
+        "busy": EndpointClient(busy_poll=BUSY_POLL),
+    }
+    # The opt-in variants, measured for the small round trip only (where the hand-overs and
+    # wake-ups they save show): (client, its baseline, what it is).
+    variants = [
+        ("inline", "raw", "opt-in inline_handlers on the server"),
+        ("busy", "raw_spin", f"opt-in busy_poll={BUSY_POLL} both ends; raw pyzmq spinning too"),
+    ]
     try:
         rows = [("small", torch.zeros(2), args.small_per_round)]
         rows += [(f"{mb}MB", torch.ones(mb << 20, dtype=torch.uint8), 1 if mb > 1 else 5) for mb in SIZES_MB]
         print(f"{'round trip':<12}{'raw pyzmq':>14}{'zmqautograd':>14}{'ratio':>8}   goal", flush=True)
         for key, payload, per_round in rows:
-            contenders = clients if key == "small" else {k: v for k, v in clients.items() if k != "inline"}
+            contenders = clients if key == "small" else {k: clients[k] for k in ("raw", "ours")}
             result = compare(contenders, payload, args.rounds, per_round)
             goal = "<= 2.0x" if key == "small" else "<= 1.3x" if key == "64MB" else ""
             unit, scale = ("us", 1e6) if key == "small" else ("ms", 1e3)
@@ -160,12 +193,13 @@ def main() -> None:
                 f"{result['ours'] / result['raw']:>7.2f}x   {goal}",
                 flush=True,
             )
-            if "inline" in result:
-                print(
-                    f"{'  inline':<12}{'':>14}{result['inline'] * scale:>11.1f} {unit}"
-                    f"{result['inline'] / result['raw']:>7.2f}x   (opt-in inline_handlers on the server)",
-                    flush=True,
-                )
+            for name, baseline, what in variants:
+                if name in result:
+                    print(
+                        f"{'  ' + name:<12}{result[baseline] * scale:>11.1f} {unit}{result[name] * scale:>11.1f} {unit}"
+                        f"{result[name] / result[baseline]:>7.2f}x   ({what})",
+                        flush=True,
+                    )
     finally:
         for client in clients.values():
             client.close()

@@ -29,6 +29,10 @@ when both use :meth:`Endpoint.add_peer`) and sends HELLO; the other answers HELL
 holds messages for that peer until its HELLO arrives. ``ROUTER_MANDATORY`` makes a send to a
 peer without a connection an error, never a silent drop.
 
+Opt-in busy polling (``EndpointOptions.busy_poll``): after application traffic the I/O thread
+keeps polling, yielding its CPU between polls, instead of sleeping, for that long; where waking
+a sleeping thread is slow (VMs), answers then find a thread already running (docs/transport.md).
+
 Peer loss is detected three ways, whichever is first: the connection closes (monitor events;
 immediate when a process dies), nothing heard for ``peer_timeout`` (application heartbeats,
 which also work through a network that silently drops), or the peer says GOODBYE on close.
@@ -39,6 +43,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -88,6 +93,9 @@ class EndpointOptions:
     connect_timeout: float = 60.0  # a peer must complete HELLO within this
     close_linger: float = 1.0  # on close, how long queued messages may still take to leave
     detect_disconnect: bool = True  # treat a closed connection as a lost peer at once
+    # Opt-in: after traffic, the I/O thread keeps polling for this long instead of sleeping
+    # (see "Busy polling" in docs/transport.md). 0: it sleeps as soon as it is idle.
+    busy_poll: float = 0.0
     # With a cluster secret, all traffic is CURVE-encrypted and only peers that hold the same
     # secret get in (transport/security.py).
     cluster_secret: str | bytes | None = field(default=None, repr=False)
@@ -97,6 +105,8 @@ class EndpointOptions:
             raise ValueError("need 0 < heartbeat_interval < peer_timeout")
         if self.connect_timeout <= 0 or self.close_linger < 0:
             raise ValueError("connect_timeout must be > 0 and close_linger >= 0")
+        if self.busy_poll < 0:
+            raise ValueError("busy_poll must be >= 0")
 
 
 @dataclass
@@ -510,6 +520,7 @@ class Endpoint:
         self._by_address: dict[str, str] = {}  # connected address -> peer
         self._by_fd: dict[int, str] = {}  # accepted connection fd -> peer
         self._closing: dict[str, str] = {}  # peers whose connection is gone -> why
+        self._received = 0  # application messages received (by this thread only)
         self._heartbeat_frames = self.codec.encode(Message(MessageType.HEARTBEAT, 0, self.identity))
         self._router_open = True
 
@@ -534,6 +545,8 @@ class Endpoint:
         poll = self._poller.poll
         wake, monitor, router = self._wake_pull, self._monitor, self._router
         socket_lock = self._socket_lock
+        busy_poll = self.options.busy_poll
+        busy_until = 0.0  # with busy_poll: spin instead of sleeping until then (monotonic)
         while True:
             timeout_ms = 0
             with self._lock:
@@ -547,14 +560,23 @@ class Endpoint:
                     idle = not router.get(_EVENTS) & _POLLIN and not self._closing
                 if idle:
                     timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
-            ready = dict(poll(timeout_ms))
+            ready = None
+            if timeout_ms and busy_until > time.monotonic():
+                ready = _spin_poll(poll, min(busy_until, next_tick))
+                if ready is None:  # nothing came: the tick is due, or sleep until it is
+                    timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+            if ready is None:
+                ready = dict(poll(timeout_ms))
             # Unlocked: a sender that still sees True only sends one wake-up too many.
             self._io_asleep = False
             if wake in ready:
                 while wake.get(_EVENTS) & _POLLIN:
                     wake.recv()
             with socket_lock:
+                received = self._received
                 self._receive_batch()
+                # Application traffic (not heartbeats) keeps a busy-polling thread spinning.
+                active = self._received != received or bool(self._outbox)
                 if monitor in ready:
                     self._read_monitor()
                 if self._zap is not None and self._zap in ready:
@@ -571,6 +593,8 @@ class Endpoint:
                 self._run_inline()
             if closing:
                 return
+            if active and busy_poll:
+                busy_until = time.monotonic() + busy_poll
 
     def _run_inline(self) -> None:
         """Run the handlers of what the last batch received (inline_handlers), in order."""
@@ -725,6 +749,7 @@ class Endpoint:
             elif kind is MessageType.PROTOCOL_ERROR:
                 self._dispatch_queue.put((self._peer_rejected, (peer, envelope)))
             return
+        self._received += 1
         if self._on_envelope is not None and self._on_envelope(peer, envelope):
             return
         if self._inbox is not None:
@@ -926,6 +951,22 @@ class Endpoint:
         log.warning("endpoint %s: %s", self.identity, error)
         if envelope.id and self._on_send_error is not None:
             self._on_send_error(peer, envelope.id, error)
+
+
+_yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+def _spin_poll(poll: Callable[[int], list], until: float) -> dict | None:
+    """Poll without sleeping until ``until`` (``time.monotonic``); what became ready, or None.
+    Between polls the thread yields its CPU (and the GIL) to anything runnable."""
+    clock = time.monotonic
+    while True:
+        ready = poll(0)
+        if ready:
+            return dict(ready)
+        if clock() >= until:
+            return None
+        _yield_cpu()
 
 
 def _frames_nbytes(frames: list) -> int:

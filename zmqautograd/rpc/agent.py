@@ -188,6 +188,7 @@ class Agent:
                 peer_timeout=options.peer_timeout,
                 connect_timeout=rendezvous.timeout,
                 cluster_secret=secret,
+                busy_poll=options.busy_poll,
             ),
             # Requests go from the I/O thread straight to the pool that runs them, and a
             # response to rpc_sync straight to the thread that waits for it.

@@ -39,6 +39,10 @@ class ZmqRpcBackendOptions:
         cluster_secret: all traffic CURVE-encrypted, and only workers holding the same secret
             can connect (env ZMQAUTOGRAD_CLUSTER_SECRET; at least 16 bytes).
         heartbeat_interval / peer_timeout: peer-loss detection bounds, in seconds.
+        busy_poll: opt-in, seconds. After traffic, the endpoint's I/O thread keeps polling for
+            this long instead of sleeping: lower latency on machines where waking a sleeping
+            thread is slow (VMs), for the price of a busy CPU while the traffic lasts.
+            TensorPipe's same-host transport busy-polls all the time (docs/transport.md).
         messages_to_fail / num_fail_sends / messages_to_delay / drop_fraction / fail_fraction /
         fault_seed:
             fault injection, as torch's faulty agent options (``transport.faults``; also
@@ -60,6 +64,7 @@ class ZmqRpcBackendOptions:
     cluster_secret: str | None = field(default=None, repr=False)
     heartbeat_interval: float = 1.0
     peer_timeout: float = 10.0
+    busy_poll: float = 0.0
     messages_to_fail: list[str] = field(default_factory=list)
     num_fail_sends: int = 0
     messages_to_delay: dict[str, float] = field(default_factory=dict)
