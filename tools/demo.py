@@ -100,8 +100,8 @@ def train(steps: int, batch: int, init_method: str) -> None:
     assert held_out < baseline / 4, "the model did not learn"
 
 
-def run(rank: int, init_method: str, steps: int, batch: int) -> None:
-    options = rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=60)
+def run(rank: int, init_method: str, steps: int, batch: int, busy_poll: float = 0.0) -> None:
+    options = rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=60, busy_poll=busy_poll)
     rpc.init_rpc("driver" if rank == 0 else f"worker{rank}", rank=rank, world_size=WORKERS + 1,
                  rpc_backend_options=options)
     if rank == 0:
@@ -113,18 +113,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--busy-poll", type=float, default=0.0, metavar="SECONDS",
+                        help="opt-in busy polling of every worker's I/O thread (docs/transport.md)")
     args = parser.parse_args()
     if "RANK" in os.environ:
         # One process of a group launched elsewhere (torchrun, docker-compose): join with env://
         # (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).
         if int(os.environ.get("WORLD_SIZE", "0")) != WORLD:
             raise SystemExit(f"the demo runs with WORLD_SIZE={WORLD} (a driver and {WORKERS} workers)")
-        run(int(os.environ["RANK"]), "env://", args.steps, args.batch)
+        run(int(os.environ["RANK"]), "env://", args.steps, args.batch, args.busy_poll)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(run, args=(f"tcp://127.0.0.1:{port}", args.steps, args.batch), nprocs=WORKERS + 1)
+    mp.spawn(run, args=(f"tcp://127.0.0.1:{port}", args.steps, args.batch, args.busy_poll), nprocs=WORKERS + 1)
 
 
 if __name__ == "__main__":
