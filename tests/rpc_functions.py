@@ -139,3 +139,22 @@ def settle():
 
     gc.collect()
     return api._current().wait_outstanding(30)
+
+
+def openmp_max_threads():
+    """OpenMP's thread count for teams this thread would fork, read from the OpenMP runtime
+    torch loaded, without going through torch (which would initialise it); None when torch
+    uses no GNU or Intel OpenMP runtime."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            libraries = sorted({line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line})
+    except OSError:
+        return None
+    return ctypes.CDLL(libraries[0]).omp_get_max_threads() if libraries else None
+
+
+def nested_openmp_max_threads(back):
+    """``openmp_max_threads`` on a pool thread of ``back``, asked from inside a call."""
+    return rpc.rpc_sync(back, openmp_max_threads)

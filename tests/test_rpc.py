@@ -212,6 +212,33 @@ def _join(rank, name, world_size, init_method, timeout, results):
         results.put((rank, f"{type(exc).__name__}: {exc}"))
 
 
+def _intra_op_worker(rank, init_method, results):
+    try:
+        count = 1 if torch.get_num_threads() > 1 else 2  # anything but this process's default
+        torch.set_num_threads(count)
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
+                     rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=20))
+        # What the other worker's pool threads use, for a call and for a nested call.
+        other = f"w{1 - rank}"
+        results.put((rank, count, rpc.rpc_sync(other, f.openmp_max_threads),
+                     rpc.rpc_sync(other, f.nested_openmp_max_threads, args=(f"w{rank}",))))
+        rpc.shutdown()
+    except BaseException as exc:
+        results.put((rank, "error", repr(exc), None))
+
+
+def test_pool_threads_use_the_intra_op_thread_count_set_before_init_rpc():
+    """torch.set_num_threads holds for the calls a worker serves, nested ones included: a
+    thread started from Python would otherwise keep OpenMP's default (one per core) until
+    torch initialises it, and the ops of a compute-bound call fork teams of threads
+    (measured in zmqautograd/rpc/agent.py)."""
+    got = _run_pair(_intra_op_worker, 2)
+    if any(served is None for _, _, served, _ in got):
+        pytest.skip("torch uses no GNU or Intel OpenMP runtime here")
+    for rank, count, served, nested in got:
+        assert served == count and nested == count, got
+
+
 def _run_group(specs, timeout=20):
     init_method = f"tcp://127.0.0.1:{free_port()}"
     return dict(spawn_and_collect(_join, [(*spec, init_method, timeout) for spec in specs]))

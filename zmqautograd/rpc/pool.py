@@ -45,9 +45,11 @@ _current_pool = _ThreadPool()
 
 class ElasticPool:
     def __init__(
-        self, size: int, name: str, stall_after: float = 0.5, max_threads: int = 1024, handoff: float = 0.005
+        self, size: int, name: str, stall_after: float = 0.5, max_threads: int = 1024, handoff: float = 0.005,
+        init_thread: Callable[[], None] | None = None,
     ):
         self.size = size
+        self.init_thread = init_thread  # run first on every thread the pool starts
         self.name = name
         self.stall_after = stall_after
         self.max_threads = max_threads
@@ -157,6 +159,11 @@ class ElasticPool:
 
     def _run(self) -> None:
         _current_pool.pool = self
+        if self.init_thread is not None:
+            try:
+                self.init_thread()
+            except Exception:  # a thread that cannot be set up still runs calls
+                log.exception("pool %s: init_thread failed", self.name)
         me = threading.current_thread()
         work = self._work
         with self._lock:
