@@ -7,9 +7,10 @@ times, above 1 for throughput).
 
 Sharing processes flatters zmqautograd: TensorPipe's same-host transport keeps a thread per
 process busy-polling all the time, which keeps the CPUs awake for zmqautograd's threads too
-(docs/transport.md, "Busy polling"). So a second table measures small calls and a one-hop
-backward with each framework alone in its own pair of processes, the groups alternating
-round by round: TensorPipe, zmqautograd, and zmqautograd with the opt-in ``busy_poll``.
+(docs/transport.md, "Busy polling"). So a second table measures small calls, a one-hop
+backward and a compute-bound call with each framework alone in its own pair of processes
+(set to one intra-op thread each), the groups alternating round by round: TensorPipe,
+zmqautograd, and zmqautograd with the opt-in ``busy_poll``.
 
     python tools/bench.py [--rounds 9] [--standalone-rounds 3]
 """
@@ -50,6 +51,13 @@ def stage(x: torch.Tensor) -> torch.Tensor:
 
 def identity(value):
     return value
+
+
+def compute(x: torch.Tensor) -> torch.Tensor:
+    """A compute-bound call: 200 small matrix products."""
+    for _ in range(200):
+        x = torch.tanh(x @ x)
+    return x
 
 
 def _free_port() -> int:
@@ -149,9 +157,19 @@ STANDALONE = {  # name -> (framework, zmqautograd's busy_poll)
 }
 
 
+def compute_call(rpc, per_round: int) -> float:
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(0)) * 0.1
+    start = time.perf_counter()
+    for _ in range(per_round):
+        rpc.rpc_sync("worker1", compute, args=(x,))
+    return (time.perf_counter() - start) / per_round
+
+
 def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -> None:
-    """One framework alone in two processes: rank 0 measures and puts its medians on
+    """One framework alone in two processes, each set to one intra-op thread (as CPU jobs
+    that run a process per worker often are): rank 0 measures and puts its medians on
     ``results``."""
+    torch.set_num_threads(1)
     if framework == "tp":
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
@@ -164,9 +182,12 @@ def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -
     if rank == 0:
         small_latency(rpc, 50)  # warm-up
         one_hop_backward(rpc, autograd, 20)
-        latency = statistics.median(small_latency(rpc, 200) for _ in range(5))
-        hop = statistics.median(one_hop_backward(rpc, autograd, 50) for _ in range(5))
-        results.put((latency, hop))
+        compute_call(rpc, 5)
+        results.put(tuple(
+            statistics.median(measure() for _ in range(5))
+            for measure in (lambda: small_latency(rpc, 200), lambda: one_hop_backward(rpc, autograd, 50),
+                            lambda: compute_call(rpc, 20))
+        ))
     rpc.shutdown()
 
 
@@ -177,13 +198,16 @@ def standalone(rounds: int) -> None:
         for name, (framework, busy_poll) in STANDALONE.items():
             mp.spawn(run_alone, args=(framework, busy_poll, _free_port(), results), nprocs=2)
             samples[name].append(results.get())
-    print(f"\neach framework alone, 2 processes ({rounds} alternating rounds)", flush=True)
-    print(f"{'':<38}{'rpc_sync small':>16}{'one hop fwd+bwd':>18}", flush=True)
-    tp_latency, tp_hop = (statistics.median(s[i] for s in samples["TensorPipe"]) for i in (0, 1))
+    print(f"\neach framework alone, 2 processes, torch.set_num_threads(1) ({rounds} alternating rounds)", flush=True)
+    columns = ("rpc_sync small", "one hop fwd+bwd", "compute-bound call")
+    print(f"{'':<34}" + "".join(f"{c:>20}" for c in columns), flush=True)
+    tp = [statistics.median(v[i] for v in samples["TensorPipe"]) for i in range(len(columns))]
     for name, values in samples.items():
-        latency, hop = (statistics.median(v[i] for v in values) for i in (0, 1))
-        print(f"{name:<38}{latency * 1e6:>7.0f} us {latency / tp_latency:>5.2f}x"
-              f"{hop * 1e6:>9.0f} us {hop / tp_hop:>5.2f}x", flush=True)
+        cells = []
+        for i in range(len(columns)):
+            median = statistics.median(v[i] for v in values)
+            cells.append(f"{median * 1e6:>11.0f} us {median / tp[i]:>5.2f}x")
+        print(f"{name:<34}" + "".join(cells), flush=True)
 
 
 def main() -> None:
