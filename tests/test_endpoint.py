@@ -432,3 +432,41 @@ def test_busy_poll_spins_after_traffic_then_sleeps():
     finally:
         busy.close()
         peer.close()
+
+
+def _openmp_threads_of_handler_threads(results) -> None:
+    """In a fresh process: set one intra-op thread count, then report the OpenMP thread count
+    each kind of handler thread sees (dispatcher; I/O thread with inline_handlers)."""
+    from .rpc_functions import openmp_max_threads
+
+    try:
+        count = 1 if torch.get_num_threads() > 1 else 2  # anything but this process's default
+        torch.set_num_threads(count)
+        seen = []
+        for inline in (False, True):
+            name = f"omp-server-{inline}"
+
+            def report(message: Message, name=name) -> None:
+                servers[name].send(message.sender, Message(MessageType.PYTHON_RET, message.id, name, openmp_max_threads()))
+
+            servers = {name: Endpoint(name, on_message=report, inline_handlers=inline)}
+            client = Endpoint(f"omp-client-{inline}")
+            client.connect(name, servers[name].address)
+            client.send(name, Message(MessageType.PYTHON_CALL, 1, client.identity, None))
+            seen.append(client.recv(30).payload)
+            client.close()
+            servers[name].close()
+        results.put((count, seen))
+    except BaseException as exc:
+        results.put(("error", repr(exc)))
+
+
+def test_handler_threads_use_the_intra_op_thread_count_set_before():
+    """torch.set_num_threads holds on the threads that run handlers, as on PyTorch's own
+    threads (transport.tensors.adopt_torch_thread_settings)."""
+    from .rpc_harness import spawn_and_collect
+
+    [(count, seen)] = spawn_and_collect(_openmp_threads_of_handler_threads, [()])
+    if None in seen:
+        pytest.skip("torch uses no GNU or Intel OpenMP runtime here")
+    assert seen == [count, count], (count, seen)

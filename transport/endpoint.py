@@ -60,6 +60,7 @@ from .codec import CONTROL_TYPES as _CONTROL_TYPES
 from .codec import Codec, Envelope, Message, MessageType
 from .faults import FaultPolicy
 from .security import ZAP_ENDPOINT, ClusterKeys
+from .tensors import adopt_torch_thread_settings
 from .errors import (
     DeviceMapError,
     EndpointClosedError,
@@ -457,6 +458,8 @@ class Endpoint:
     # --------------------------------------------------------------------- the I/O thread
 
     def _io_main(self, bind_list: list[str], started: threading.Event) -> None:
+        if self._inline is not None:
+            adopt_torch_thread_settings()  # handlers run here and may run torch ops
         try:
             self._open_sockets(bind_list)
         except BaseException as exc:  # reported to the constructor's thread
@@ -900,6 +903,7 @@ class Endpoint:
     # -------------------------------------------------------------- the dispatcher thread
 
     def _dispatch_main(self) -> None:
+        adopt_torch_thread_settings()  # handlers may run torch ops
         while True:
             item = self._dispatch_queue.get()
             if item is None:

@@ -25,6 +25,7 @@ from transport import (
 from transport import faults as transport_faults
 from transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
 from transport.endpoint import Endpoint, EndpointOptions
+from transport.tensors import adopt_torch_thread_settings
 
 from . import current
 from .errors import RpcError, RpcTimeoutError, SerializationError
@@ -172,13 +173,7 @@ class Agent:
         secret = options.cluster_secret or os.environ.get(SECRET_VARIABLE) or None
         self.codec = _make_codec(options.allow_pickle, bool(secret), host)
         self.codec.max_message_bytes = options.max_message_bytes
-        # A thread started from Python keeps OpenMP's default (a thread per core) until torch
-        # initialises it from torch.set_num_threads's setting, which PyTorch's own threads do
-        # when they start (at::init_num_threads). torch.get_num_threads() runs that
-        # initialisation. Without it, after torch.set_num_threads(1), each op of a
-        # compute-bound call forked a team of OpenMP threads competing for the cores: 15-18 ms
-        # a call against 3.7-5.3 ms with it (TensorPipe's pool threads: 15-17 ms).
-        self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}", init_thread=torch.get_num_threads)
+        self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}", init_thread=adopt_torch_thread_settings)
         self.rrefs = RRefContext(self)
         self.autograd = ContextContainer(self.rank)  # distributed autograd contexts
         self.codec.add_extension(Extension(EXT_RREF, RRef, self.rrefs.encode, self.rrefs.decode))
