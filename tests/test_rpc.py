@@ -233,6 +233,7 @@ def test_pool_threads_use_the_intra_op_thread_count_set_before_init_rpc():
     torch initialises it, and the ops of a compute-bound call fork teams of threads
     (measured in zmqautograd/rpc/agent.py)."""
     got = _run_pair(_intra_op_worker, 2)
+    assert all(count != "error" for _, count, _, _ in got), got
     if any(served is None for _, _, served, _ in got):
         pytest.skip("torch uses no GNU or Intel OpenMP runtime here")
     for rank, count, served, nested in got:
