@@ -61,6 +61,7 @@ from .codec import Codec, Envelope, Message, MessageType
 from .faults import FaultPolicy
 from .security import ZAP_ENDPOINT, ClusterKeys
 from .tensors import adopt_torch_thread_settings
+from .waiter import IoPoller, Waiter
 from .errors import (
     DeviceMapError,
     EndpointClosedError,
@@ -235,6 +236,13 @@ class Endpoint:
         # With inline_handlers: callbacks the I/O thread runs after its receive batch (only
         # the I/O thread appends and pops).
         self._inline: deque | None = deque() if inline_handlers else None
+        # Waiting threads read the ROUTER themselves (transport/waiter.py): the callers of
+        # recv() and wait_until(), and the dispatcher when it delivers messages. Not with
+        # inline_handlers, whose handlers run where the I/O thread received.
+        self._waiters_read = not inline_handlers
+        self._dispatcher_reads = on_message is not None and executor is None and not inline_handlers
+        self._waiters_added = False  # a reading waiter registered since the I/O thread last looked
+        self._recv_waiters: set[Waiter] = set()
 
         self._context = zmq.Context()
         self.addresses: list[str] = []
@@ -363,22 +371,98 @@ class Endpoint:
     def recv(self, timeout: float | None = None) -> Message:
         """The next incoming message (only without ``on_message``). A message whose payload
         does not decode is answered with PROTOCOL_ERROR and skipped. Raises ``TimeoutError``
-        after ``timeout`` seconds and EndpointClosedError once closed."""
-        if self._inbox is None:
+        after ``timeout`` seconds and EndpointClosedError once closed. The calling thread
+        receives from the socket itself while it waits (see :meth:`wait_until`)."""
+        inbox = self._inbox
+        if inbox is None:
             raise TransportError("recv() is for endpoints made without on_message")
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                item = self._inbox.get(timeout=remaining)
-            except queue.Empty:
-                raise TimeoutError(f"{self.identity}: no message within {timeout} s") from None
-            if item is None:
-                self._inbox.put(None)  # let every other waiting thread see the close too
-                raise EndpointClosedError(f"endpoint {self.identity!r} is closed")
-            message = self._decode(*item)
-            if message is not None:
-                return message
+        waiter = self.waiter()
+        self._recv_waiters.add(waiter)
+        try:
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._wait(waiter, lambda: not inbox.empty(), remaining):
+                    raise TimeoutError(f"{self.identity}: no message within {timeout} s")
+                try:
+                    item = inbox.get_nowait()
+                except queue.Empty:
+                    continue  # another thread in recv() took it
+                if item is None:
+                    self._to_inbox(None)  # let every other waiting thread see the close too
+                    raise EndpointClosedError(f"endpoint {self.identity!r} is closed")
+                message = self._decode(*item)
+                if message is not None:
+                    return message
+        finally:
+            self._recv_waiters.discard(waiter)
+
+    def waiter(self) -> Waiter:
+        """The calling thread's :class:`~transport.waiter.Waiter` for :meth:`wait_until`:
+        whoever makes the condition of that thread's wait true calls its ``wake()``."""
+        waiter = getattr(self._thread_local, "waiter", None)
+        if waiter is None:
+            waiter = self._thread_local.waiter = self._new_waiter(self._waiters_read)
+        return waiter
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Block the calling thread until ``ready()`` is true (True) or ``timeout`` seconds
+        have passed (False). Meanwhile the thread receives from the socket itself, exactly as
+        the I/O thread would, so that the message it waits for wakes it directly, with no
+        thread hand-over (transport/waiter.py). Whoever makes ``ready()`` true from another
+        thread (or a callback this receiving runs) then calls ``waiter().wake()`` of the
+        waiting thread. ``ready`` must be quick and must not block."""
+        return self._wait(self.waiter(), ready, timeout)
+
+    def _new_waiter(self, reads: bool) -> Waiter:
+        with self._socket_lock:  # the ROUTER's descriptor is valid only while it is open
+            waiter = Waiter(self._router_fd if reads and self._router_open else None)
+        if waiter.reads:
+            with self._lock:
+                self._waiters_added = True  # the I/O thread queues behind it
+                self._wake_io_locked()
+        return waiter
+
+    def _wait(self, waiter: Waiter, ready: Callable[[], bool], timeout: float | None) -> bool:
+        if ready():
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                if waiter.reads:
+                    self._read_for_waiter()
+                waiter.waiting = True  # from here on, whoever makes ready() true wakes us
+                if ready():
+                    return True
+                remaining = None
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                waiter.sleep(remaining)
+                waiter.waiting = False
+        finally:
+            waiter.waiting = False
+
+    def _read_for_waiter(self) -> None:
+        """Receive what waits in the ROUTER, on a waiting thread (as the I/O thread would)."""
+        with self._socket_lock:
+            if not self._router_open:
+                return
+            # The I/O thread finishes what we leave: a long burst, connections gone.
+            needs_io = self._receive_batch() or bool(self._closing)
+        if needs_io and self._io_asleep:
+            with self._lock:
+                self._wake_io_locked()
+
+    def _to_inbox(self, item: tuple | None) -> None:
+        self._inbox.put(item)
+        for waiter in tuple(self._recv_waiters):
+            waiter.wake()
+
+    def _to_dispatcher(self, function: Callable | None, args: tuple = ()) -> None:
+        self._dispatch_queue.put(None if function is None else (function, args))
+        self._dispatch_waiter.wake()
 
     def peers(self) -> dict[str, str]:
         """Every known peer and its state ('expected', 'connecting', 'ready', 'lost')."""
@@ -405,9 +489,9 @@ class Endpoint:
             for _thread, socket in self._wake_sockets:
                 socket.close(linger=0)
             self._wake_sockets.clear()
-        self._dispatch_queue.put(None)
+        self._to_dispatcher(None)
         if self._inbox is not None:
-            self._inbox.put(None)
+            self._to_inbox(None)
         if threading.current_thread() is not self._dispatch_thread:
             self._dispatch_thread.join()
         self._context.term()
@@ -514,12 +598,10 @@ class Endpoint:
         # The ROUTER's own descriptor, not the socket: polling it touches no libzmq state, so
         # other threads may send while this one waits.
         self._router_fd = router.getsockopt(zmq.FD)
-        self._poller = zmq.Poller()
-        self._poller.register(self._router_fd, zmq.POLLIN)
-        self._poller.register(self._wake_pull, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
-        if self._zap is not None:
-            self._poller.register(self._zap, zmq.POLLIN)
+        # Registered before the I/O thread's poller: it is woken first (transport/waiter.py).
+        self._dispatch_waiter = Waiter(self._router_fd if self._dispatcher_reads else None)
+        others = [self._wake_pull, self._monitor] + ([self._zap] if self._zap is not None else [])
+        self._io_poller = IoPoller(self._router_fd, [socket.getsockopt(zmq.FD) for socket in others])
         self._by_address: dict[str, str] = {}  # connected address -> peer
         self._by_fd: dict[int, str] = {}  # accepted connection fd -> peer
         self._closing: dict[str, str] = {}  # peers whose connection is gone -> why
@@ -541,17 +623,24 @@ class Endpoint:
             socket = getattr(self, name, None)
             if socket is not None:
                 socket.close(linger=0)
+        poller = getattr(self, "_io_poller", None)
+        if poller is not None:
+            poller.close()
 
     def _io_loop(self) -> None:
         interval = self.options.heartbeat_interval
         next_tick = time.monotonic() + interval
-        poll = self._poller.poll
-        wake, monitor, router = self._wake_pull, self._monitor, self._router
+        poller = self._io_poller
+        poll = poller.poll
+        wake, router = self._wake_pull, self._router
         socket_lock = self._socket_lock
         busy_poll = self.options.busy_poll
         busy_until = 0.0  # with busy_poll: spin instead of sleeping until then (monotonic)
         while True:
-            timeout_ms = 0
+            if self._waiters_added:
+                self._waiters_added = False
+                poller.go_last()  # behind the new reading waiter (transport/waiter.py)
+            timeout = 0.0
             with self._lock:
                 # From here on, a thread that queues a command or finds input waiting after
                 # its own send must wake us.
@@ -562,27 +651,25 @@ class Endpoint:
                 with socket_lock:
                     idle = not router.get(_EVENTS) & _POLLIN and not self._closing
                 if idle:
-                    timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
-            ready = None
-            if timeout_ms and busy_until > time.monotonic():
-                ready = _spin_poll(poll, min(busy_until, next_tick))
-                if ready is None:  # nothing came: the tick is due, or sleep until it is
-                    timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
-            if ready is None:
-                ready = dict(poll(timeout_ms))
+                    timeout = max(0.0, next_tick - time.monotonic())
+            if timeout and busy_until > time.monotonic():
+                if not _spin_poll(poll, min(busy_until, next_tick)):
+                    timeout = max(0.0, next_tick - time.monotonic())  # the tick is due, or sleep until it is
+                    poll(timeout)
+            else:
+                poll(timeout)
             # Unlocked: a sender that still sees True only sends one wake-up too many.
             self._io_asleep = False
-            if wake in ready:
-                while wake.get(_EVENTS) & _POLLIN:
-                    wake.recv()
+            # Every socket's descriptor is edge-triggered: look at each, whatever woke us.
+            while wake.get(_EVENTS) & _POLLIN:
+                wake.recv()
             with socket_lock:
                 received = self._received
                 self._receive_batch()
                 # Application traffic (not heartbeats) keeps a busy-polling thread spinning.
                 active = self._received != received or bool(self._outbox)
-                if monitor in ready:
-                    self._read_monitor()
-                if self._zap is not None and self._zap in ready:
+                self._read_monitor()
+                if self._zap is not None:
                     self._authenticate()
                 closing = not self._drain_outbox()
                 if not closing:
@@ -693,14 +780,16 @@ class Endpoint:
 
     def _report_send_error(self, peer: str, message_id: int, error: TransportError) -> None:
         if message_id and self._on_send_error is not None:
-            self._dispatch_queue.put((self._on_send_error, (peer, message_id, error)))
+            self._to_dispatcher(self._on_send_error, (peer, message_id, error))
 
-    def _receive_batch(self) -> None:
+    def _receive_batch(self) -> bool:
+        """Receive up to a batch of messages (caller holds the socket lock); whether input
+        still waits."""
         router = self._router
         recv = router.recv
         for _ in range(_RECV_BATCH):
             if not router.get(_EVENTS) & _POLLIN:  # cheaper than catching zmq.Again
-                return
+                return False
             # recv_multipart, unrolled: it asks the socket for RCVMORE through an enum
             # conversion per frame; a received Frame knows (measured: 12 -> 3 us a message).
             frame = recv(_NOBLOCK, copy=False)
@@ -709,6 +798,7 @@ class Endpoint:
                 frame = recv(_NOBLOCK, copy=False)
                 frames.append(frame)
             self._handle_incoming(frames)
+        return bool(router.get(_EVENTS) & _POLLIN)
 
     def _handle_incoming(self, frames: list[zmq.Frame]) -> None:
         routing_id = frames[0].bytes
@@ -750,19 +840,19 @@ class Endpoint:
             elif kind is MessageType.GOODBYE:
                 self._peer_lost(peer, "the peer closed its endpoint", level=logging.INFO)
             elif kind is MessageType.PROTOCOL_ERROR:
-                self._dispatch_queue.put((self._peer_rejected, (peer, envelope)))
+                self._to_dispatcher(self._peer_rejected, (peer, envelope))
             return
         self._received += 1
         if self._on_envelope is not None and self._on_envelope(peer, envelope):
             return
         if self._inbox is not None:
-            self._inbox.put((peer, envelope))
+            self._to_inbox((peer, envelope))
         elif self._inline is not None:
             self._inline.append((self._deliver, (peer, envelope)))
         elif self._executor is not None:
             self._executor(self._deliver, peer, envelope)
         else:
-            self._dispatch_queue.put((self._deliver, (peer, envelope)))
+            self._to_dispatcher(self._deliver, (peer, envelope))
 
     def _hello(self, peer: str, envelope_frame: zmq.Frame) -> _Peer:
         """A HELLO: register or confirm the peer, flush what waited for it, answer it."""
@@ -812,7 +902,7 @@ class Endpoint:
         )
 
     def _read_monitor(self) -> None:
-        while True:
+        while self._monitor.get(_EVENTS) & _POLLIN:
             try:
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
@@ -882,7 +972,7 @@ class Endpoint:
             if self._inline is not None:
                 self._inline.append((self._on_peer_lost, (peer, error)))
             else:
-                self._dispatch_queue.put((self._on_peer_lost, (peer, error)))
+                self._to_dispatcher(self._on_peer_lost, (peer, error))
 
     def _fail_all_peers(self, reason: str) -> None:
         with self._lock:
@@ -904,10 +994,17 @@ class Endpoint:
 
     def _dispatch_main(self) -> None:
         adopt_torch_thread_settings()  # handlers may run torch ops
+        dispatch_queue, waiter = self._dispatch_queue, self._dispatch_waiter
+
+        def has_work() -> bool:
+            return not dispatch_queue.empty()
+
         while True:
-            item = self._dispatch_queue.get()
+            if dispatch_queue.empty():
+                self._wait(waiter, has_work, None)
+            item = dispatch_queue.get_nowait()
             if item is None:
-                return
+                return  # the waiter's descriptors close with it, once nobody can wake it
             function, args = item
             try:
                 function(*args)
@@ -960,16 +1057,15 @@ class Endpoint:
 _yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
-def _spin_poll(poll: Callable[[int], list], until: float) -> dict | None:
-    """Poll without sleeping until ``until`` (``time.monotonic``); what became ready, or None.
-    Between polls the thread yields its CPU (and the GIL) to anything runnable."""
+def _spin_poll(poll: Callable[[float], bool], until: float) -> bool:
+    """Poll without sleeping until ``until`` (``time.monotonic``); whether anything became
+    ready. Between polls the thread yields its CPU (and the GIL) to anything runnable."""
     clock = time.monotonic
     while True:
-        ready = poll(0)
-        if ready:
-            return dict(ready)
+        if poll(0):
+            return True
         if clock() >= until:
-            return None
+            return False
         _yield_cpu()
 
 

@@ -1,0 +1,129 @@
+"""Threads that read the ROUTER themselves while they wait (leader/follower receiving).
+
+A thread that waits for an answer (``Endpoint.recv``, ``rpc_sync``) or for work (the
+dispatcher) would otherwise sleep until the I/O thread has received the message and woken it:
+two threads woken per message where one would do, and on the development VM each wake-up of
+a sleeping thread costs 60-80 us (docs/transport.md, "Waiting threads read"). So a waiting
+thread sleeps on the ROUTER's descriptor as well as on its own wake-up descriptor, and when
+input arrives it receives the message itself, under the socket lock, exactly as the I/O
+thread would (same validation, same routing): the message it waited for needs no hand-over.
+
+Which sleeper the kernel wakes is what makes this pay: every sleeper watches the ROUTER's
+descriptor with ``EPOLLEXCLUSIVE``, and Linux then wakes only the first sleeper in the
+descriptor's wait queue that is actually asleep, in the order the sleepers registered. The
+I/O thread re-registers after every new waiter, so it stays last: it is woken only when no
+waiting thread is asleep (and then receives and hands over as before). Correctness never
+depends on this order: whoever wakes receives under the socket lock, and whatever it
+receives goes where it belongs, with a wake-up for the thread that waits for it.
+
+Without ``EPOLLEXCLUSIVE`` (not Linux, or Linux < 4.5) waiting threads do not watch the ROUTER
+and only sleep on their wake-up descriptor; the I/O thread receives everything.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+
+EXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", None) if hasattr(select, "epoll") else None
+_HAS_EVENTFD = hasattr(os, "eventfd")
+
+
+class Waiter:
+    """How one thread waits: a wake-up descriptor, and, when it ``reads``, the ROUTER's.
+
+    The protocol with whoever completes what it waits for: the waiter sets ``waiting`` before
+    its last look at the condition, the completer makes the condition true before it calls
+    :meth:`wake`; so either the waiter sees the condition or the completer sees ``waiting``
+    (statements are ordered under the GIL), and a wake-up that comes before the sleep leaves
+    the descriptor readable, so the sleep returns at once.
+    """
+
+    __slots__ = ("waiting", "reads", "_read_fd", "_write_fd", "_poller", "_epoll", "__weakref__")
+
+    def __init__(self, router_fd: int | None = None) -> None:
+        self.waiting = False
+        self.reads = router_fd is not None and EXCLUSIVE is not None
+        if _HAS_EVENTFD:
+            self._read_fd = self._write_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:
+            self._read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._read_fd, False)
+            os.set_blocking(self._write_fd, False)
+        self._epoll = EXCLUSIVE is not None
+        if self._epoll:
+            self._poller = select.epoll()
+            self._poller.register(self._read_fd, select.EPOLLIN)
+            if self.reads:
+                self._poller.register(router_fd, select.EPOLLIN | EXCLUSIVE)
+        else:
+            self._poller = select.poll()
+            self._poller.register(self._read_fd, select.POLLIN)
+
+    def wake(self) -> None:
+        """Wake the thread if it sleeps (any thread may call this, any number of times)."""
+        if self.waiting:
+            try:
+                os.write(self._write_fd, b"\1\0\0\0\0\0\0\0")
+            except (BlockingIOError, OSError):
+                pass  # already readable (a full pipe), or closed: nobody sleeps on it
+
+    def sleep(self, timeout: float | None) -> None:
+        """Sleep until woken, until the ROUTER has input (when it ``reads``), or ``timeout``
+        seconds; a wake-up that came before returns at once."""
+        if self._epoll:
+            self._poller.poll(-1 if timeout is None else timeout)
+        else:
+            self._poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999)))
+        try:
+            os.read(self._read_fd, 512)  # reset: the next sleep waits for a new wake-up
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        poller, self._poller = getattr(self, "_poller", None), None
+        if poller is None:
+            return
+        if self._epoll:
+            poller.close()
+        os.close(self._read_fd)
+        if self._write_fd != self._read_fd:
+            os.close(self._write_fd)
+
+    __del__ = close
+
+
+class IoPoller:
+    """The I/O thread's sleep: the ROUTER's descriptor (last in line, see the module's
+    docstring) and the descriptors of its other sockets. ``poll`` returns whether anything
+    is ready; the caller then checks every socket's ``ZMQ_EVENTS`` (they are edge-triggered)."""
+
+    def __init__(self, router_fd: int, other_fds: list[int]) -> None:
+        self._router_fd = router_fd
+        if EXCLUSIVE is not None:
+            self._poller = select.epoll()
+            for fd in other_fds:
+                self._poller.register(fd, select.EPOLLIN)
+            self._poller.register(router_fd, select.EPOLLIN | EXCLUSIVE)
+            self.poll = self._poll_epoll
+        else:
+            self._poller = select.poll()
+            for fd in [router_fd, *other_fds]:
+                self._poller.register(fd, select.POLLIN)
+            self.poll = self._poll_poll
+
+    def _poll_epoll(self, timeout: float) -> bool:
+        return bool(self._poller.poll(timeout))
+
+    def _poll_poll(self, timeout: float) -> bool:
+        return bool(self._poller.poll(max(0, int(timeout * 1000 + 0.999))))
+
+    def go_last(self) -> None:
+        """Queue behind every waiter registered since: re-register the ROUTER's descriptor."""
+        if EXCLUSIVE is not None:
+            self._poller.unregister(self._router_fd)
+            self._poller.register(self._router_fd, select.EPOLLIN | EXCLUSIVE)
+
+    def close(self) -> None:
+        if EXCLUSIVE is not None:
+            self._poller.close()
