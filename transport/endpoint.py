@@ -9,6 +9,10 @@ Threads:
 * the **dispatcher thread** decodes payloads and runs the user's callbacks, so a slow handler
   never stalls the socket. Messages of one peer reach ``on_message`` in the order they were
   sent; a peer's loss is reported after every message that arrived from it.
+* **waiting threads** (the dispatcher when it delivers messages, callers of :meth:`recv` and
+  :meth:`Endpoint.wait_until`) receive from the ROUTER themselves while they wait, exactly as
+  the I/O thread would, so the message a thread waits for usually wakes that thread directly
+  instead of the I/O thread, which would then have to wake it (transport/waiter.py).
 * any other thread may call :meth:`Endpoint.send`: it encodes the message on its own thread and
   sends it on the ROUTER itself, holding the socket lock (or, when older messages still wait
   in the outbox, appends it there and wakes the I/O thread).
@@ -158,8 +162,8 @@ class Endpoint:
         bind: addresses to listen on (``tcp://host:port``, port 0 or ``*`` for any;
             ``ipc:///path``). :attr:`addresses` holds what was actually bound.
         on_message: called with each incoming :class:`Message`, on the dispatcher thread.
-            Without it, messages queue for :meth:`recv` (one thread hop fewer: the caller of
-            ``recv`` takes them straight from the I/O thread).
+            Without it, messages queue for :meth:`recv`, whose caller usually receives them
+            from the socket itself.
         on_peer_lost: called as ``on_peer_lost(peer, error)`` when a peer is lost.
         on_send_error: called as ``on_send_error(peer, message_id, error)`` when a message
             that ``send`` accepted could not be delivered (peer lost before it went out, or
@@ -168,10 +172,13 @@ class Endpoint:
         options: :class:`EndpointOptions`.
         executor: ``executor(function, *args)`` queues work on the embedder's own thread
             pool. When given, incoming messages are decoded and passed to ``on_message`` on
-            that pool, handed over by the I/O thread directly: one thread hop fewer than
+            that pool, handed over by the receiving thread directly: one thread hop fewer than
             through the dispatcher thread, no ordering between messages. It must not block.
-        on_envelope: called on the I/O thread for each application message before anything
-            else, as ``on_envelope(peer, envelope)``; returning True means it took the message
+            A pool that waits in :meth:`wait_until` while idle receives the requests it runs
+            itself (``ElasticPool.receive_while_idle``).
+        on_envelope: called on the receiving thread (the I/O thread or a waiting one, holding
+            the socket lock, so it must not send) for each application message before
+            anything else, as ``on_envelope(peer, envelope)``; returning True means it took the message
             (it then decodes the payload itself, with ``codec.decode_payload``). For routing a
             response straight to the thread that waits for it. It must be quick and must not
             block or run user code.
@@ -241,7 +248,7 @@ class Endpoint:
         # inline_handlers, whose handlers run where the I/O thread received.
         self._waiters_read = not inline_handlers
         self._dispatcher_reads = on_message is not None and executor is None and not inline_handlers
-        self._waiters_added = False  # a reading waiter registered since the I/O thread last looked
+        self._reading_waiter: Waiter | None = None  # the one watching the ROUTER (socket lock)
         self._recv_waiters: set[Waiter] = set()
 
         self._context = zmq.Context()
@@ -402,7 +409,7 @@ class Endpoint:
         whoever makes the condition of that thread's wait true calls its ``wake()``."""
         waiter = getattr(self._thread_local, "waiter", None)
         if waiter is None:
-            waiter = self._thread_local.waiter = self._new_waiter(self._waiters_read)
+            waiter = self._thread_local.waiter = Waiter(reads=self._waiters_read)
         return waiter
 
     def wait_until(self, ready: Callable[[], bool], timeout: float | None = None) -> bool:
@@ -414,18 +421,24 @@ class Endpoint:
         waiting thread. ``ready`` must be quick and must not block."""
         return self._wait(self.waiter(), ready, timeout)
 
-    def _new_waiter(self, reads: bool) -> Waiter:
-        with self._socket_lock:  # the ROUTER's descriptor is valid only while it is open
-            waiter = Waiter(self._router_fd if reads and self._router_open else None)
-        if waiter.reads:
-            with self._lock:
-                self._waiters_added = True  # the I/O thread queues behind it
-                self._wake_io_locked()
-        return waiter
+    def _become_reading_waiter(self, waiter: Waiter) -> None:
+        """Watch the ROUTER in ``waiter``'s place from now on, with the I/O thread behind it
+        (transport/waiter.py)."""
+        with self._socket_lock:  # the descriptor is valid only while the ROUTER is open
+            if not self._router_open:
+                return
+            previous = self._reading_waiter
+            if previous is not None:
+                previous.detach(self._router_fd)
+            waiter.attach(self._router_fd)
+            self._io_poller.go_last()
+            self._reading_waiter = waiter
 
     def _wait(self, waiter: Waiter, ready: Callable[[], bool], timeout: float | None) -> bool:
         if ready():
             return True
+        if waiter.reads and self._reading_waiter is not waiter:
+            self._become_reading_waiter(waiter)
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while True:
@@ -598,8 +611,7 @@ class Endpoint:
         # The ROUTER's own descriptor, not the socket: polling it touches no libzmq state, so
         # other threads may send while this one waits.
         self._router_fd = router.getsockopt(zmq.FD)
-        # Registered before the I/O thread's poller: it is woken first (transport/waiter.py).
-        self._dispatch_waiter = Waiter(self._router_fd if self._dispatcher_reads else None)
+        self._dispatch_waiter = Waiter(reads=self._dispatcher_reads)
         others = [self._wake_pull, self._monitor] + ([self._zap] if self._zap is not None else [])
         self._io_poller = IoPoller(self._router_fd, [socket.getsockopt(zmq.FD) for socket in others])
         self._by_address: dict[str, str] = {}  # connected address -> peer
@@ -637,9 +649,6 @@ class Endpoint:
         busy_poll = self.options.busy_poll
         busy_until = 0.0  # with busy_poll: spin instead of sleeping until then (monotonic)
         while True:
-            if self._waiters_added:
-                self._waiters_added = False
-                poller.go_last()  # behind the new reading waiter (transport/waiter.py)
             timeout = 0.0
             with self._lock:
                 # From here on, a thread that queues a command or finds input waiting after

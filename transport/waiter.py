@@ -8,15 +8,18 @@ thread sleeps on the ROUTER's descriptor as well as on its own wake-up descripto
 input arrives it receives the message itself, under the socket lock, exactly as the I/O
 thread would (same validation, same routing): the message it waited for needs no hand-over.
 
-Which sleeper the kernel wakes is what makes this pay: every sleeper watches the ROUTER's
-descriptor with ``EPOLLEXCLUSIVE``, and Linux then wakes only the first sleeper in the
-descriptor's wait queue that is actually asleep, in the order the sleepers registered. The
-I/O thread re-registers after every new waiter, so it stays last: it is woken only when no
-waiting thread is asleep (and then receives and hands over as before). Correctness never
-depends on this order: whoever wakes receives under the socket lock, and whatever it
-receives goes where it belongs, with a wake-up for the thread that waits for it.
+Which sleeper the kernel wakes is what makes this pay. Two sleepers watch the ROUTER's
+descriptor, both with ``EPOLLEXCLUSIVE``: the waiting thread that most recently started to
+wait (the *reading waiter*; it takes the role from the one before), then the I/O thread.
+Linux wakes only the first of them that is asleep, in the order they registered, and the
+new reading waiter moves the I/O thread's registration behind its own. So input wakes the
+thread most likely to want it (a caller that has just sent its request; a pool thread that
+has just gone idle, rather than a thread that has waited for a long time), and the I/O
+thread only when that thread is not asleep (it then receives and hands over as before).
+Correctness never depends on this order: whoever wakes receives under the socket lock, and
+whatever it receives goes where it belongs, with a wake-up for the thread that waits for it.
 
-Without ``EPOLLEXCLUSIVE`` (not Linux, or Linux < 4.5) waiting threads do not watch the ROUTER
+Without ``EPOLLEXCLUSIVE`` (not Linux, or Linux < 4.5) waiting threads never watch the ROUTER
 and only sleep on their wake-up descriptor; the I/O thread receives everything.
 """
 
@@ -30,7 +33,8 @@ _HAS_EVENTFD = hasattr(os, "eventfd")
 
 
 class Waiter:
-    """How one thread waits: a wake-up descriptor, and, when it ``reads``, the ROUTER's.
+    """How one thread waits: a wake-up descriptor, and, while it is the reading waiter, the
+    ROUTER's (``attach``/``detach``; only waiters that ``reads`` may be attached).
 
     The protocol with whoever completes what it waits for: the waiter sets ``waiting`` before
     its last look at the condition, the completer makes the condition true before it calls
@@ -41,9 +45,9 @@ class Waiter:
 
     __slots__ = ("waiting", "reads", "_read_fd", "_write_fd", "_poller", "_epoll", "__weakref__")
 
-    def __init__(self, router_fd: int | None = None) -> None:
+    def __init__(self, reads: bool = False) -> None:
         self.waiting = False
-        self.reads = router_fd is not None and EXCLUSIVE is not None
+        self.reads = reads and EXCLUSIVE is not None
         if _HAS_EVENTFD:
             self._read_fd = self._write_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         else:
@@ -54,11 +58,19 @@ class Waiter:
         if self._epoll:
             self._poller = select.epoll()
             self._poller.register(self._read_fd, select.EPOLLIN)
-            if self.reads:
-                self._poller.register(router_fd, select.EPOLLIN | EXCLUSIVE)
         else:
             self._poller = select.poll()
             self._poller.register(self._read_fd, select.POLLIN)
+
+    def attach(self, router_fd: int) -> None:
+        """Watch the ROUTER's descriptor too (another thread may call this while we sleep)."""
+        self._poller.register(router_fd, select.EPOLLIN | EXCLUSIVE)
+
+    def detach(self, router_fd: int) -> None:
+        try:
+            self._poller.unregister(router_fd)
+        except (OSError, ValueError):
+            pass  # closed meanwhile (its thread is gone)
 
     def wake(self) -> None:
         """Wake the thread if it sleeps (any thread may call this, any number of times)."""
@@ -119,7 +131,8 @@ class IoPoller:
         return bool(self._poller.poll(max(0, int(timeout * 1000 + 0.999))))
 
     def go_last(self) -> None:
-        """Queue behind every waiter registered since: re-register the ROUTER's descriptor."""
+        """Queue behind a waiter registered since: re-register the ROUTER's descriptor (any
+        thread may call this while the I/O thread sleeps)."""
         if EXCLUSIVE is not None:
             self._poller.unregister(self._router_fd)
             self._poller.register(self._router_fd, select.EPOLLIN | EXCLUSIVE)

@@ -26,6 +26,7 @@ from transport import faults as transport_faults
 from transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
 from transport.endpoint import Endpoint, EndpointOptions
 from transport.tensors import adopt_torch_thread_settings
+from transport.waiter import Waiter
 
 from . import current
 from .errors import RpcError, RpcTimeoutError, SerializationError
@@ -81,19 +82,20 @@ class WorkerInfo:
 
 
 class _SyncSlot:
-    """What ``rpc_sync`` waits on instead of a torch Future: the I/O thread can fill it with the
-    undecoded response without running any user code (a Future runs its callbacks).
+    """What ``rpc_sync`` waits on instead of a torch Future: whichever thread receives the
+    response can fill it, undecoded, without running any user code (a Future runs its
+    callbacks).
 
-    The waiter blocks on a bare lock, taken at creation and released by whoever completes the
-    call (exactly one: completers first take the call out of the pending table), and times out
-    by itself instead of through the timer thread: an Event costs a Condition and two more
-    locks per call, and a timer a heap entry."""
+    The calling thread waits in ``Endpoint.wait_until``, receiving from the socket itself
+    meanwhile, so that its answer usually needs no hand-over at all; whoever else completes
+    the call (exactly one: completers first take the call out of the pending table) wakes it
+    through its ``waiter``. It times out by itself instead of through the timer thread: a
+    timer costs a heap entry per call."""
 
-    __slots__ = ("_unfinished", "finished", "envelope", "value", "error", "to", "message_id", "timeout")
+    __slots__ = ("waiter", "finished", "envelope", "value", "error", "to", "message_id", "timeout")
 
-    def __init__(self, timeout: float) -> None:
-        self._unfinished = _allocate_lock()
-        self._unfinished.acquire()
+    def __init__(self, timeout: float, waiter: Waiter) -> None:
+        self.waiter = waiter  # the calling thread's
         self.finished = False
         self.envelope: Envelope | None = None
         self.value: Any = None
@@ -104,7 +106,7 @@ class _SyncSlot:
 
     def _finish(self) -> None:
         self.finished = True
-        self._unfinished.release()
+        self.waiter.wake()
 
     def set_result(self, value: Any) -> None:
         self.value = value
@@ -121,10 +123,6 @@ class _SyncSlot:
 
     def done(self) -> bool:
         return self.finished
-
-    def wait(self, bounded: bool = True) -> bool:
-        """Until completed, or (``bounded``) the call's timeout; False on timeout."""
-        return self._unfinished.acquire(timeout=self.timeout if bounded and self.timeout > 0 else -1)
 
 
 class _CallFuture(torch.futures.Future):
@@ -197,6 +195,8 @@ class Agent:
             on_envelope=self._route_to_waiter,
             faults=FaultPolicy.from_env(options.fault_options()),
         )
+        # An idle pool thread receives itself: a request then wakes the thread that runs it.
+        self.pool.receive_while_idle(self.endpoint)
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
@@ -288,7 +288,7 @@ class Agent:
         if releases is not None:
             payload["rc"] = releases[1]
         timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
-        future = _SyncSlot(timeout) if sync else _CallFuture()
+        future = _SyncSlot(timeout, self.endpoint.waiter()) if sync else _CallFuture()
         message_id = next(self._ids)
         message = Message(message_type, message_id, str(self.rank), payload)
         with self._lock:
@@ -413,14 +413,15 @@ class Agent:
         return slot.value
 
     def _wait(self, slot: _SyncSlot) -> None:
-        if not slot.wait():
+        if not self.endpoint.wait_until(slot.done, slot.timeout if slot.timeout > 0 else None):
             self._expire(slot.message_id)  # fails it, unless it completed meanwhile
-            slot.wait(bounded=False)  # complete now, or at once: whoever took it completes it
+            self.endpoint.wait_until(slot.done)  # complete now, or at once: whoever took it completes it
 
     def _route_to_waiter(self, peer: str, envelope: Envelope) -> bool:
-        """On the I/O thread (holding the socket lock: nothing here may send): a response to
-        an rpc_sync goes to its waiting thread at once, undecoded; a small plain response
-        to an rpc_async nobody registered a callback on completes its future here."""
+        """On the thread that received it (the I/O thread or a waiting thread, holding the
+        socket lock: nothing here may send): a response to an rpc_sync goes to its waiting
+        thread at once, undecoded; a small plain response to an rpc_async nobody registered a
+        callback on completes its future here."""
         if envelope.type not in RESPONSE_TYPES:
             return False
         pending = self._pending.get(envelope.id)  # dict lookups are atomic

@@ -12,6 +12,13 @@ thread is inside such a call (torch issue #23569):
 
 Threads beyond ``size`` leave again when they find no work.
 
+**Receiving while idle.** With :meth:`ElasticPool.receive_while_idle`, one idle thread at a
+time (the *reader*) waits in the endpoint's ``wait_until`` instead of on the pool's condition:
+it receives from the socket itself, so a request that arrives while the pool is idle wakes
+that thread directly and it runs the call, where otherwise the endpoint's I/O thread would
+wake to receive it and then wake a pool thread (transport/waiter.py, measured in
+docs/transport.md).
+
 **Wake-ups.** Waking a thread for each call costs a context switch and a GIL hand-over, and
 under the GIL a second thread runs Python no faster than the first. So work that arrives while
 a thread is running a call it started less than ``handoff`` ago is left for that thread,
@@ -66,8 +73,17 @@ class ElasticPool:
         self._last_progress = time.monotonic()
         self._closed = False
         self._serial = 0
+        self._receiver: Any = None  # the endpoint an idle thread receives from (receive_while_idle)
+        self._reader: threading.Thread | None = None  # the idle thread that receives
+        self._reader_waiter: Any = None  # its Waiter, once it sleeps
+        self._reader_woken = False  # woken for work (counted in _waking)
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self._watchdog.start()
+
+    def receive_while_idle(self, endpoint: Any) -> None:
+        """Let one idle thread at a time wait in ``endpoint.wait_until``, receiving (see the
+        module's docstring). Its ``executor`` must be this pool's ``submit``."""
+        self._receiver = endpoint
 
     def submit(self, function: Callable, *args: Any) -> None:
         with self._lock:
@@ -78,7 +94,8 @@ class ElasticPool:
                 log.info("pool %s is shut down: dropped %s", self.name, getattr(function, "__qualname__", function))
                 return
             self._work.append((function, args))
-            self._dispatch_locked(time.monotonic(), grow_past_size=False)
+            if self._reader is not threading.current_thread():  # the reader takes what it received
+                self._dispatch_locked(time.monotonic(), grow_past_size=False)
 
     def owns_current_thread(self) -> bool:
         """Whether the calling thread is one of this pool's (cheaper than entering
@@ -111,6 +128,8 @@ class ElasticPool:
             threads = list(self._threads)
             self._work_ready.notify_all()
             self._watch_wakeup.notify_all()
+            if self._reader_waiter is not None:
+                self._reader_waiter.wake()
         current = threading.current_thread()
         deadline = time.monotonic() + timeout
         for thread in threads:
@@ -139,6 +158,11 @@ class ElasticPool:
             self._waking += 1
             self._work_ready.notify()
             return True
+        if self._reader_waiter is not None and not self._reader_woken:
+            self._reader_woken = True
+            self._waking += 1
+            self._reader_waiter.wake()
+            return True
         if len(self._threads) < (self.max_threads if grow_past_size else self.size):
             self._start_thread()
             return True
@@ -166,6 +190,14 @@ class ElasticPool:
                 log.exception("pool %s: init_thread failed", self.name)
         me = threading.current_thread()
         work = self._work
+
+        def stop_reading() -> bool:
+            # Woken, it leaves even when another thread took the work meanwhile: its wake-up
+            # counts in _waking until it has looked at the queue (else submits would wait for
+            # a thread that went back to sleep).
+            return bool(work) or self._closed or self._reader_woken
+
+        was_reader = False
         with self._lock:
             self._waking -= 1
             while True:
@@ -173,6 +205,11 @@ class ElasticPool:
                     break
                 if work:
                     function, args = work.popleft()
+                    if was_reader and work:
+                        # What it received beyond this call: its submits did not look for
+                        # threads, so look now.
+                        self._dispatch_locked(time.monotonic(), grow_past_size=False)
+                    was_reader = False
                     self._running[me] = time.monotonic()
                     self._lock.release()
                     try:
@@ -187,18 +224,42 @@ class ElasticPool:
                     continue
                 if len(self._threads) > self.size:
                     break  # surplus, and nothing to do: leave
+                if self._receiver is not None and self._reader is None:
+                    self._read_while_idle(me, stop_reading)
+                    was_reader = True
+                    continue
                 self._idle += 1
                 self._work_ready.wait()
                 self._idle -= 1
                 self._waking = max(0, self._waking - 1)
             self._threads.discard(me)
 
+    def _read_while_idle(self, me: threading.Thread, stop_reading: Callable[[], bool]) -> None:
+        """Be the reader until work comes (caller holds the lock; released meanwhile: the
+        endpoint takes its socket lock, and its receiving calls ``submit``)."""
+        self._reader = me
+        self._lock.release()
+        try:
+            waiter = self._receiver.waiter()
+            with self._lock:
+                self._reader_waiter = waiter
+            self._receiver.wait_until(stop_reading)
+        except Exception:  # the endpoint is unusable: wait on the condition from now on
+            log.exception("pool %s: receiving while idle failed", self.name)
+            self._receiver = None
+        finally:
+            self._lock.acquire()
+            self._reader = self._reader_waiter = None
+            if self._reader_woken:
+                self._reader_woken = False
+                self._waking = max(0, self._waking - 1)
+
     def _watch(self) -> None:
         with self._lock:
             while not self._closed:
                 if len(self._work) > self._waking:
                     now = time.monotonic()
-                    if not self._dispatch_locked(now, grow_past_size=False) and not self._idle and (
+                    if not self._dispatch_locked(now, grow_past_size=False) and not self._idle and self._reader is None and (
                         now - self._last_progress > self.stall_after and len(self._threads) < self.max_threads
                     ):
                         # Every thread busy and none finishing: some wait on something we

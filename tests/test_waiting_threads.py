@@ -1,0 +1,217 @@
+"""Waiting threads receive from the ROUTER themselves (transport/waiter.py): the thread that
+waits for a message is the one the kernel wakes, and it receives the message without a
+hand-over from the I/O thread; without EPOLLEXCLUSIVE everything still works through the I/O
+thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import transport.waiter
+from transport import EndpointClosedError, Message, MessageType
+from transport.endpoint import Endpoint
+from zmqautograd.rpc.pool import ElasticPool
+
+from .workers import start_server
+
+pytestmark = pytest.mark.timeout(120)
+
+linux_only = pytest.mark.skipif(transport.waiter.EXCLUSIVE is None, reason="needs epoll with EPOLLEXCLUSIVE (Linux)")
+
+
+class ReceivingThreads:
+    """An ``on_envelope`` that records which thread received each application message."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def __call__(self, peer, envelope) -> bool:
+        self.names.append(threading.current_thread().name)
+        return False  # then routed as usual
+
+    def share(self, name: str) -> float:
+        return self.names.count(name) / len(self.names)
+
+
+def _echo_pair(server_options: dict, client_options: dict, server_receivers=None):
+    """An echo server and a pull-style client, both in this process, on loopback TCP."""
+    server: Endpoint | None = None
+
+    def echo(message: Message) -> None:
+        server.send(message.sender, Message(MessageType.PYTHON_RET, message.id, "echo", message.payload))
+
+    server = Endpoint("echo", on_message=echo, on_envelope=server_receivers, **server_options)
+    client = Endpoint("asker", **client_options)
+    client.connect("echo", server.address)
+    client.wait_for_peer("echo", 30)
+    return server, client
+
+
+@linux_only
+def test_the_thread_in_recv_receives_its_answers_itself():
+    """Against a server in another process: the answers reach the caller of recv() without
+    the I/O thread (it would receive them all without waiting threads that read)."""
+    received = ReceivingThreads()
+    server = start_server()
+    client = Endpoint("asker", on_envelope=received)
+    try:
+        client.connect(server.identity, server.address)
+        client.wait_for_peer(server.identity, 60)
+        for seq in range(300):
+            client.send(server.identity, Message(MessageType.PYTHON_CALL, seq + 1, "asker", {"op": "echo", "data": seq}))
+            reply = client.recv(30)
+            assert (reply.id, reply.payload) == (seq + 1, seq)
+        # The caller is asleep in recv() when its answer comes in all but odd cases (it was
+        # preempted between its send and its sleep); then the I/O thread receives it.
+        assert received.share(threading.current_thread().name) > 0.5, received.names[:20]
+    finally:
+        client.close()
+        server.stop()
+
+
+@linux_only
+def test_the_dispatcher_receives_what_it_delivers():
+    received = ReceivingThreads()
+    server, client = _echo_pair({}, {}, server_receivers=received)
+    try:
+        for seq in range(300):
+            client.send("echo", Message(MessageType.PYTHON_CALL, seq + 1, "asker", seq))
+            assert client.recv(30).payload == seq
+        assert received.share(server._dispatch_thread.name) > 0.5, received.names[:20]
+    finally:
+        client.close()
+        server.close()
+
+
+def test_without_epoll_exclusive_the_io_thread_receives_everything(monkeypatch):
+    """The portable path (no EPOLLEXCLUSIVE): waiting threads only sleep on their wake-up
+    descriptor, and messages, order and timeouts are as before."""
+    monkeypatch.setattr(transport.waiter, "EXCLUSIVE", None)
+    received = ReceivingThreads()
+    server, client = _echo_pair({}, {}, server_receivers=received)
+    try:
+        for seq in range(200):
+            client.send("echo", Message(MessageType.PYTHON_CALL, seq + 1, "asker", seq))
+        assert [client.recv(30).payload for _ in range(200)] == list(range(200))
+        assert set(received.names) == {server._io_thread.name}
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.recv(0.2)
+        assert 0.15 < time.monotonic() - start < 5
+    finally:
+        client.close()
+        server.close()
+
+
+def test_wait_until_returns_when_woken_or_at_its_timeout():
+    endpoint = Endpoint("waits")
+    try:
+        start = time.monotonic()
+        assert endpoint.wait_until(lambda: False, 0.2) is False
+        assert 0.15 < time.monotonic() - start < 5
+
+        flag = threading.Event()
+        waiter = endpoint.waiter()
+
+        def complete() -> None:
+            time.sleep(0.1)  # let the main thread go to sleep first (it must be woken)
+            flag.set()
+            waiter.wake()
+
+        threading.Thread(target=complete).start()
+        start = time.monotonic()
+        assert endpoint.wait_until(flag.is_set, 30) is True
+        assert time.monotonic() - start < 10
+    finally:
+        endpoint.close()
+
+
+def test_close_wakes_every_thread_waiting_in_recv():
+    endpoint = Endpoint("closing")
+    outcomes: list[str] = []
+
+    def receive() -> None:
+        try:
+            endpoint.recv()
+        except EndpointClosedError:
+            outcomes.append("closed")
+
+    threads = [threading.Thread(target=receive) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    while len(endpoint._recv_waiters) < 3:  # all three inside recv()
+        time.sleep(0.01)
+    endpoint.close()
+    for thread in threads:
+        thread.join(10)
+    assert outcomes == ["closed"] * 3
+
+
+@linux_only
+def test_an_idle_pool_thread_receives_the_request_it_runs():
+    """An endpoint whose executor is an ElasticPool receiving while idle: a request wakes the
+    idle pool thread, which receives it and runs it (no I/O thread, no hand-over)."""
+    received = ReceivingThreads()
+    ran_on: list[str] = []
+    pool = ElasticPool(4, "serve")
+    server: Endpoint | None = None
+
+    def handle(message: Message) -> None:
+        ran_on.append(threading.current_thread().name)
+        server.send(message.sender, Message(MessageType.PYTHON_RET, message.id, "served", message.payload))
+
+    server = Endpoint("served", on_message=handle, executor=pool.submit, on_envelope=received)
+    pool.receive_while_idle(server)
+    client = Endpoint("asker")
+    try:
+        client.connect("served", server.address)
+        client.wait_for_peer("served", 30)
+        for seq in range(300):
+            client.send("served", Message(MessageType.PYTHON_CALL, seq + 1, "asker", seq))
+            assert client.recv(30).payload == seq
+        pairs = list(zip(received.names, ran_on))
+        assert sum(name.startswith("serve-") and name == ran for name, ran in pairs) > len(pairs) / 2, pairs[:20]
+        # A burst: what the reader received beyond its own call still finds threads.
+        for seq in range(50):
+            client.send("served", Message(MessageType.PYTHON_CALL, 1000 + seq, "asker", seq))
+        assert sorted(client.recv(30).payload for _ in range(50)) == list(range(50))
+    finally:
+        client.close()
+        server.close()
+        pool.shutdown()
+    assert pool.thread_count == 0
+
+
+def _until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+@linux_only
+def test_a_woken_pool_reader_whose_work_was_taken_stays_countable():
+    """The race the 4-worker suite hit: the pool wakes its reading thread for a call, another
+    thread takes the call first, and the reader must not go back to sleep still counted as
+    'on its way' (every later call would then wait for it for ever)."""
+    endpoint = Endpoint("idle-pool")
+    pool = ElasticPool(2, "steal")
+    pool.receive_while_idle(endpoint)
+    ran = threading.Event()
+    try:
+        pool.submit(lambda: None)  # starts a thread, which then waits as the reader
+        _until(lambda: pool._reader_waiter is not None and pool._reader_waiter.waiting)
+        with pool._lock:  # what the race does, in one step: wake the reader, then steal
+            pool._work.append((lambda: None, ()))
+            pool._dispatch_locked(time.monotonic(), grow_past_size=False)
+            assert pool._reader_woken
+            pool._work.popleft()
+        _until(lambda: not pool._reader_woken)  # it looked, found nothing, and is countable again
+        pool.submit(ran.set)
+        assert ran.wait(30)
+    finally:
+        pool.shutdown()
+        endpoint.close()
