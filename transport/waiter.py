@@ -84,13 +84,15 @@ class Waiter:
         """Sleep until woken, until the ROUTER has input (when it ``reads``), or ``timeout``
         seconds; a wake-up that came before returns at once."""
         if self._epoll:
-            self._poller.poll(-1 if timeout is None else timeout)
+            events = self._poller.poll(-1 if timeout is None else timeout)
         else:
-            self._poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999)))
-        try:
-            os.read(self._read_fd, 512)  # reset: the next sleep waits for a new wake-up
-        except (BlockingIOError, OSError):
-            pass
+            events = self._poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999)))
+        for fd, _ in events:
+            if fd == self._read_fd:  # woken: reset, so that the next sleep waits for a new wake-up
+                try:
+                    os.read(fd, 512)
+                except (BlockingIOError, OSError):
+                    pass
 
     def close(self) -> None:
         poller, self._poller = getattr(self, "_poller", None), None
