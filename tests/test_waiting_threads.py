@@ -215,3 +215,26 @@ def test_a_woken_pool_reader_whose_work_was_taken_stays_countable():
     finally:
         pool.shutdown()
         endpoint.close()
+
+
+def test_threads_that_get_no_descriptors_wait_on_a_lock(monkeypatch):
+    """At the open-file limit a waiting thread gets a LockWaiter: slower, never a failure."""
+
+    def no_descriptors(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(transport.waiter.os, "eventfd", no_descriptors, raising=False)
+    monkeypatch.setattr(transport.waiter.os, "pipe", no_descriptors)
+    server, client = _echo_pair({}, {})
+    try:
+        assert isinstance(client.waiter(), transport.waiter.LockWaiter)
+        assert isinstance(server._dispatch_waiter, transport.waiter.LockWaiter)
+        for seq in range(100):
+            client.send("echo", Message(MessageType.PYTHON_CALL, seq + 1, "asker", seq))
+            assert client.recv(30).payload == seq
+        start = time.monotonic()
+        assert client.wait_until(lambda: False, 0.2) is False
+        assert 0.15 < time.monotonic() - start < 5
+    finally:
+        client.close()
+        server.close()

@@ -65,7 +65,7 @@ from .codec import Codec, Envelope, Message, MessageType
 from .faults import FaultPolicy
 from .security import ZAP_ENDPOINT, ClusterKeys
 from .tensors import adopt_torch_thread_settings
-from .waiter import IoPoller, Waiter
+from .waiter import IoPoller, LockWaiter, Waiter, new_waiter
 from .errors import (
     DeviceMapError,
     EndpointClosedError,
@@ -404,12 +404,12 @@ class Endpoint:
         finally:
             self._recv_waiters.discard(waiter)
 
-    def waiter(self) -> Waiter:
+    def waiter(self) -> Waiter | LockWaiter:
         """The calling thread's :class:`~transport.waiter.Waiter` for :meth:`wait_until`:
         whoever makes the condition of that thread's wait true calls its ``wake()``."""
         waiter = getattr(self._thread_local, "waiter", None)
         if waiter is None:
-            waiter = self._thread_local.waiter = Waiter(reads=self._waiters_read)
+            waiter = self._thread_local.waiter = new_waiter(self._waiters_read)
         return waiter
 
     def wait_until(self, ready: Callable[[], bool], timeout: float | None = None) -> bool:
@@ -611,7 +611,7 @@ class Endpoint:
         # The ROUTER's own descriptor, not the socket: polling it touches no libzmq state, so
         # other threads may send while this one waits.
         self._router_fd = router.getsockopt(zmq.FD)
-        self._dispatch_waiter = Waiter(reads=self._dispatcher_reads)
+        self._dispatch_waiter = new_waiter(self._dispatcher_reads)
         others = [self._wake_pull, self._monitor] + ([self._zap] if self._zap is not None else [])
         self._io_poller = IoPoller(self._router_fd, [socket.getsockopt(zmq.FD) for socket in others])
         self._by_address: dict[str, str] = {}  # connected address -> peer

@@ -25,8 +25,12 @@ and only sleep on their wake-up descriptor; the I/O thread receives everything.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
+from _thread import allocate_lock
+
+log = logging.getLogger(__name__)
 
 EXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", None) if hasattr(select, "epoll") else None
 _HAS_EVENTFD = hasattr(os, "eventfd")
@@ -105,6 +109,46 @@ class Waiter:
             os.close(self._write_fd)
 
     __del__ = close
+
+
+class LockWaiter:
+    """A waiter without descriptors, for when a thread cannot get any (the process is at its
+    open-file limit: two descriptors per waiting thread add up in a pool grown to hundreds of
+    threads by nested calls). It sleeps on a bare lock and never watches the ROUTER."""
+
+    __slots__ = ("waiting", "_asleep")
+    reads = False
+
+    def __init__(self) -> None:
+        self.waiting = False
+        self._asleep = allocate_lock()
+        self._asleep.acquire()
+
+    def wake(self) -> None:
+        if self.waiting:
+            try:
+                self._asleep.release()
+            except RuntimeError:
+                pass  # already woken
+
+    def sleep(self, timeout: float | None) -> None:
+        # Returning with the lock taken again is the reset: the next sleep waits anew.
+        self._asleep.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
+
+    def attach(self, router_fd: int) -> None:
+        raise AssertionError("a LockWaiter never reads")
+
+    detach = attach
+
+
+def new_waiter(reads: bool) -> Waiter | LockWaiter:
+    """A :class:`Waiter`, or, where the process has no descriptors left, a :class:`LockWaiter`
+    (slower, never a failure)."""
+    try:
+        return Waiter(reads)
+    except OSError as exc:
+        log.warning("a waiting thread gets no descriptors (%s): it waits on a lock and does not receive", exc)
+        return LockWaiter()
 
 
 class IoPoller:
