@@ -205,12 +205,13 @@ class ElasticPool:
                     break
                 if work:
                     function, args = work.popleft()
+                    self._running[me] = now = time.monotonic()
                     if was_reader and work:
                         # What it received beyond this call: its submits did not look for
-                        # threads, so look now.
-                        self._dispatch_locked(time.monotonic(), grow_past_size=False)
+                        # threads, so look now, with this thread counted as making progress
+                        # (it takes the rest itself unless its call takes over ``handoff``).
+                        self._dispatch_locked(now, grow_past_size=False)
                     was_reader = False
-                    self._running[me] = time.monotonic()
                     self._lock.release()
                     try:
                         function(*args)  # submitted functions handle their own errors...
