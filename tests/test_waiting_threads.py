@@ -117,7 +117,7 @@ def test_wait_until_returns_when_woken_or_at_its_timeout():
         waiter = endpoint.waiter()
 
         def complete() -> None:
-            time.sleep(0.1)  # let the main thread go to sleep first (it must be woken)
+            _until(lambda: waiter.waiting)  # the main thread is waiting: it must be woken
             flag.set()
             waiter.wake()
 
@@ -142,8 +142,7 @@ def test_close_wakes_every_thread_waiting_in_recv():
     threads = [threading.Thread(target=receive) for _ in range(3)]
     for thread in threads:
         thread.start()
-    while len(endpoint._recv_waiters) < 3:  # all three inside recv()
-        time.sleep(0.01)
+    _until(lambda: len(endpoint._recv_waiters) == 3)  # all three inside recv()
     endpoint.close()
     for thread in threads:
         thread.join(10)
