@@ -9,7 +9,7 @@ The small round trip is also measured with the opt-in modes: ``inline_handlers``
 server, and ``busy_poll`` on both ends, which is compared with a raw pyzmq ping-pong whose two
 ends also spin (poll without sleeping, yielding the CPU) instead of sleeping in ``recv``.
 
-    python tools/bench_transport.py [--small-iters 5000] [--large-iters 10]
+    python tools/bench_transport.py [--rounds 15] [--small-per-round 300]
 """
 
 from __future__ import annotations

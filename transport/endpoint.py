@@ -617,7 +617,7 @@ class Endpoint:
         self._by_address: dict[str, str] = {}  # connected address -> peer
         self._by_fd: dict[int, str] = {}  # accepted connection fd -> peer
         self._closing: dict[str, str] = {}  # peers whose connection is gone -> why
-        self._received = 0  # application messages received (by this thread only)
+        self._received = 0  # application messages received, by any thread (under the socket lock)
         self._heartbeat_frames = self.codec.encode(Message(MessageType.HEARTBEAT, 0, self.identity))
         self._router_open = True
 
@@ -1009,8 +1009,7 @@ class Endpoint:
             return not dispatch_queue.empty()
 
         while True:
-            if dispatch_queue.empty():
-                self._wait(waiter, has_work, None)
+            self._wait(waiter, has_work, None)  # returns at once when work is queued
             item = dispatch_queue.get_nowait()
             if item is None:
                 return  # the waiter's descriptors close with it, once nobody can wake it

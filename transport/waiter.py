@@ -36,6 +36,11 @@ EXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", None) if hasattr(select, "epoll") 
 _HAS_EVENTFD = hasattr(os, "eventfd")
 
 
+def _milliseconds(timeout: float) -> int:
+    """``select.poll``'s timeout for ``timeout`` seconds, rounded up (never sleeps short)."""
+    return max(0, int(timeout * 1000 + 0.999))
+
+
 class Waiter:
     """How one thread waits: a wake-up descriptor, and, while it is the reading waiter, the
     ROUTER's (``attach``/``detach``; only waiters that ``reads`` may be attached).
@@ -90,7 +95,7 @@ class Waiter:
         if self._epoll:
             events = self._poller.poll(-1 if timeout is None else timeout)
         else:
-            events = self._poller.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999)))
+            events = self._poller.poll(None if timeout is None else _milliseconds(timeout))
         for fd, _ in events:
             if fd == self._read_fd:  # woken: reset, so that the next sleep waits for a new wake-up
                 try:
@@ -174,7 +179,7 @@ class IoPoller:
         return bool(self._poller.poll(timeout))
 
     def _poll_poll(self, timeout: float) -> bool:
-        return bool(self._poller.poll(max(0, int(timeout * 1000 + 0.999))))
+        return bool(self._poller.poll(_milliseconds(timeout)))
 
     def go_last(self) -> None:
         """Queue behind a waiter registered since: re-register the ROUTER's descriptor (any

@@ -189,8 +189,8 @@ class Agent:
                 cluster_secret=secret,
                 busy_poll=options.busy_poll,
             ),
-            # Requests go from the I/O thread straight to the pool that runs them, and a
-            # response to rpc_sync straight to the thread that waits for it.
+            # Requests go from the thread that received them straight to the pool that runs
+            # them, and a response to rpc_sync straight to the thread that waits for it.
             executor=self.pool.submit,
             on_envelope=self._route_to_waiter,
             faults=FaultPolicy.from_env(options.fault_options()),
