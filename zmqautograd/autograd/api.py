@@ -156,8 +156,11 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
         ctx.plan_cache = (key, plan)
     home = local_edges is not None
     idle = (agent.default_timeout if agent.default_timeout > 0 else None) if home else None
+    # The caller of backward() waits for its pass's work in the transport's wait_until: the
+    # answers it waits for then usually reach it directly (see _send_gradients).
+    waiting = (agent.endpoint.wait_until, agent.endpoint.waiter().wake) if home else None
     run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients, home=home, idle_timeout=idle,
-               requester=requester)
+               requester=requester, home_waiting=waiting)
     if local_edges is not None:  # passes this worker started, by id (found even if the context is gone)
         _running[pass_id] = run
         run.done.add_done_callback(lambda _: _running.pop(pass_id, None))
@@ -187,22 +190,34 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool) -> to
     if not awaited:
         agent.notify(info.from_worker, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ, placement)
         return None
-    sent = agent.call(info.from_worker, _backward_request, args, None, -1.0,
-                      message_type=MessageType.BACKWARD_AUTOGRAD_REQ, placement=placement)
     delivered: torch.futures.Future = torch.futures.Future()
 
-    def answered(future: torch.futures.Future) -> None:
-        try:
-            riding = future.value()
-            if riding is not None:
+    def answered(riding: Any, error: BaseException | None) -> None:
+        if error is None and riding is not None:
+            try:
                 _accept_gradients(agent, *riding, start=False)
-        except Exception as exc:  # noqa: BLE001 - fails our pass (its _request_done)
-            delivered.set_exception(exc)
-            return
-        delivered.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - fails our pass (its _request_done)
+                error = exc
+        if error is not None:
+            delivered.set_exception(error)
+        else:
+            delivered.set_result(None)
 
-    sent.add_done_callback(answered)
+    # On the originator the answer is handled on the thread that runs the pass (no hand-over
+    # through the pool); elsewhere passes run on pool threads, and so does the answer.
+    posted = (run.post_home, answered) if run.is_home else None
+    sent = agent.call(info.from_worker, _backward_request, args, None, -1.0,
+                      message_type=MessageType.BACKWARD_AUTOGRAD_REQ, placement=placement, posted=posted)
+    if posted is None:
+        sent.add_done_callback(lambda done: answered(*_outcome(done)))
     return delivered
+
+
+def _outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
+    try:
+        return future.value(), None
+    except Exception as exc:  # noqa: BLE001 - handed on as the outcome
+        return None, exc
 
 
 def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,

@@ -212,7 +212,7 @@ class Pass:
     def __init__(
         self, context: DistAutogradContext, plan: Plan, pass_id: int, retain_graph: bool, worker_id: int,
         send_gradients: Callable[[Any, list, "Pass", bool], torch.futures.Future | None], home: bool = False,
-        idle_timeout: float | None = None, requester: int | None = None,
+        idle_timeout: float | None = None, requester: int | None = None, home_waiting: tuple | None = None,
     ):
         self.context = context
         self.plan = plan
@@ -253,9 +253,15 @@ class Pass:
         if idle_timeout is not None:  # its thread must not outlive the pass (the soak test counts threads)
             self.done.add_done_callback(lambda _: self._cancel_idle())
         self._home = threading.get_ident() if home else None
+        # Work for the home thread: (function, args), None once the pass is done.
         self._home_queue: queue.SimpleQueue | None = queue.SimpleQueue() if home else None
+        # How the home thread waits for that work: ``wait(ready)`` blocks until ``ready()``
+        # (the transport's wait_until, receiving from the socket meanwhile, so an answer the
+        # pass waits for usually reaches this very thread), ``wake()`` ends such a wait.
+        # Without them it blocks on the queue.
+        self._home_wait, self._home_wake = home_waiting if home_waiting is not None else (None, None)
         if home:
-            self.done.add_done_callback(lambda _: self._home_queue.put(None))
+            self.done.add_done_callback(lambda _: self._post_home(None))
 
     # ------------------------------------------------------------------- delivering roots
 
@@ -281,23 +287,50 @@ class Pass:
                     fire.append(node)
             ready = self._ready_groups()
         if self._home is not None and threading.get_ident() != self._home:
-            self._home_queue.put((ready, fire))
+            self._post_home((self._run_delivered, (ready, fire)))
             return
+        self._run_delivered(ready, fire)
+
+    def _run_delivered(self, ready: list[int], fire: list) -> None:
         for node in fire:
             self._fire_recv(node)
         self._drain(ready)
 
+    @property
+    def is_home(self) -> bool:
+        """Whether this pass runs on the thread that called ``backward`` (the originator)."""
+        return self._home is not None
+
+    def post_home(self, function: Callable, *args: Any) -> None:
+        """Have the home thread (the caller of ``backward``) run ``function(*args)``; for
+        the answers to this pass's requests, which then complete on that thread."""
+        self._post_home((function, args))
+
+    def _post_home(self, item: tuple | None) -> None:
+        self._home_queue.put(item)
+        if self._home_wake is not None:
+            self._home_wake()
+
     def run_at_home(self) -> None:
         """On the caller's thread: run the work other threads hand over, until the pass is
         done (its ``done`` future then holds the outcome)."""
+        work = self._home_queue
+        wait = self._home_wait
+
+        def has_work() -> bool:
+            return not work.empty()
+
         while True:
-            item = self._home_queue.get()
+            if wait is not None:
+                wait(has_work)
+                item = work.get_nowait()
+            else:
+                item = work.get()
             if item is None:
                 return
-            ready, fire = item
-            for node in fire:
-                self._fire_recv(node)
-            self._drain(ready)
+            function, args = item
+            function(*args)
+            del item, function, args  # the gradients they hold
 
     @staticmethod
     def _add(buffer: dict, key: Any, grad: torch.Tensor) -> None:

@@ -148,6 +148,36 @@ class _CallFuture(torch.futures.Future):
         super().add_done_callback(callback)
 
 
+class _PostedCall:
+    """The pending entry of a call whose answer is handled on one particular thread, one that
+    works through a queue of its own (the caller of distributed ``backward()``, in its pass's
+    ``run_at_home``). Whichever thread receives the answer only posts it there, undecoded:
+    ``post(function, *args)`` queues it and wakes that thread, which decodes it and runs
+    ``on_answer(value, error)``. No hand-over through the pool, and none at all when that
+    thread received the answer itself while it waited for work (it waits in the endpoint's
+    ``wait_until``). Completed exactly once, by whoever claimed the call."""
+
+    __slots__ = ("post", "on_answer", "finished")
+
+    def __init__(self, post: Callable, on_answer: Callable[[Any, BaseException | None], None]) -> None:
+        self.post = post
+        self.on_answer = on_answer
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def set_result(self, value: Any) -> None:
+        self.settle(self.on_answer, value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self.settle(self.on_answer, None, error)
+
+    def settle(self, function: Callable, *args: Any) -> None:
+        self.finished = True
+        self.post(function, *args)
+
+
 # Answers the I/O thread may complete a _CallFuture with: not exceptions (rebuilding one may
 # import and run the exception's class) and not autograd answers (they record a recv function).
 _PLAIN_RESPONSE_TYPES = frozenset(REQUEST_TYPES.values()) - {MessageType.FORWARD_AUTOGRAD_RESP}
@@ -156,7 +186,7 @@ _INLINE_MAX_BYTES = 1 << 16  # bigger answers are decoded on the pool (CUDA copi
 
 @dataclass
 class _Pending:
-    future: torch.futures.Future | _SyncSlot
+    future: torch.futures.Future | _SyncSlot | _PostedCall
     to: WorkerInfo
     timeout: float
 
@@ -267,12 +297,12 @@ class Agent:
     def call(
         self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
         message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
-        placement: Placement | None = None,
+        placement: Placement | None = None, posted: tuple[Callable, Callable] | None = None,
     ) -> Any:
-        """Send a call; the returned future (a _SyncSlot when ``sync``) completes with its
-        result or exception. ``barrier`` marks the shutdown barrier's own call, which
-        ``wait_outstanding`` does not count. ``placement``: where CUDA tensors land at the
-        callee (default: this worker's device map to it)."""
+        """Send a call; the returned future (a _SyncSlot when ``sync``; with ``posted`` =
+        ``(post, on_answer)`` a _PostedCall) completes with its result or exception. ``barrier`` marks the shutdown
+        barrier's own call, which ``wait_outstanding`` does not count. ``placement``: where
+        CUDA tensors land at the callee (default: this worker's device map to it)."""
         info = self.worker_info(to)
         if args is not None and not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple or list, got {type(args).__qualname__}")
@@ -288,7 +318,10 @@ class Agent:
         if releases is not None:
             payload["rc"] = releases[1]
         timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
-        future = _SyncSlot(timeout, self.endpoint.waiter()) if sync else _CallFuture()
+        if posted is not None:
+            future = _PostedCall(*posted)
+        else:
+            future = _SyncSlot(timeout, self.endpoint.waiter()) if sync else _CallFuture()
         message_id = next(self._ids)
         message = Message(message_type, message_id, str(self.rank), payload)
         with self._lock:
@@ -433,6 +466,10 @@ class Agent:
                 return True  # timed out meanwhile: already failed
             future.set_envelope(envelope, pending.to)
             return True
+        if type(future) is _PostedCall:
+            if self._claim(envelope.id) is not None:  # else timed out meanwhile: already failed
+                future.settle(self._answer_posted, envelope, pending.to, future.on_answer)
+            return True
         if type(future) is not _CallFuture or envelope.type not in _PLAIN_RESPONSE_TYPES \
                 or envelope.nbytes > _INLINE_MAX_BYTES:
             return False
@@ -454,6 +491,11 @@ class Agent:
             else:
                 future.set_result(value)
         return True
+
+    def _answer_posted(self, envelope: Envelope, to: WorkerInfo, on_answer: Callable) -> None:
+        """A _PostedCall's answer, on the thread it was posted to."""
+        value, error = self._decode_response(envelope, to)
+        on_answer(value, error)
 
     def _decode_response(self, envelope: Envelope, to: WorkerInfo) -> tuple[Any, BaseException | None]:
         tensors: list = []
