@@ -329,7 +329,10 @@ class Pass:
             if item is None:
                 return
             function, args = item
-            function(*args)
+            try:
+                function(*args)
+            except Exception as exc:  # noqa: BLE001 - every error ends the pass (then None comes)
+                self.fail(exc)
             del item, function, args  # the gradients they hold
 
     @staticmethod

@@ -300,9 +300,10 @@ class Agent:
         placement: Placement | None = None, posted: tuple[Callable, Callable] | None = None,
     ) -> Any:
         """Send a call; the returned future (a _SyncSlot when ``sync``; with ``posted`` =
-        ``(post, on_answer)`` a _PostedCall) completes with its result or exception. ``barrier`` marks the shutdown
-        barrier's own call, which ``wait_outstanding`` does not count. ``placement``: where
-        CUDA tensors land at the callee (default: this worker's device map to it)."""
+        ``(post, on_answer)`` a _PostedCall) completes with its result or exception.
+        ``barrier`` marks the shutdown barrier's own call, which ``wait_outstanding`` does not
+        count. ``placement``: where CUDA tensors land at the callee (default: this worker's
+        device map to it)."""
         info = self.worker_info(to)
         if args is not None and not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple or list, got {type(args).__qualname__}")
