@@ -591,10 +591,14 @@ class Endpoint:
         router.setsockopt(zmq.SNDHWM, 0)  # never drop and never block: flow control is above us
         router.setsockopt(zmq.RCVHWM, 0)
         router.setsockopt(zmq.LINGER, int(self.options.close_linger * 1000))
-        # ZMTP heartbeats let libzmq itself close connections to hosts that went silent.
-        router.setsockopt(zmq.HEARTBEAT_IVL, int(self.options.heartbeat_interval * 1000))
-        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.options.peer_timeout * 1000))
-        router.setsockopt(zmq.HEARTBEAT_TTL, int(self.options.peer_timeout * 1000))
+        # ZMTP heartbeats let libzmq itself close connections to hosts that went silent: a
+        # backstop, well after our own check (_tick), whose error says what happened ("no
+        # message or heartbeat for ...") where a closed connection would not.
+        options = self.options
+        zmtp_timeout = int((options.peer_timeout + max(2 * options.heartbeat_interval, 1.0)) * 1000)
+        router.setsockopt(zmq.HEARTBEAT_IVL, int(options.heartbeat_interval * 1000))
+        router.setsockopt(zmq.HEARTBEAT_TIMEOUT, zmtp_timeout)
+        router.setsockopt(zmq.HEARTBEAT_TTL, zmtp_timeout)
         self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._keys = None
         self._zap = None
