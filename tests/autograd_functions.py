@@ -90,3 +90,19 @@ def has_context(context_id: int) -> bool:
 def forward_to(worker: str, x: torch.Tensor) -> torch.Tensor:
     """A nested call: this worker learns of the context and passes x on to ``worker``."""
     return rpc.rpc_sync(worker, torch.mul, args=(x, 2))
+
+
+def train_step_here(worker: str, x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """A whole distributed step inside an RPC call: this worker (a pool thread) opens a
+    context, sends x through ``worker``, runs the backward pass it started, and returns the
+    loss and the gradients the context got for x and weight."""
+    import zmqautograd.autograd as dist_autograd
+
+    x = x.detach().requires_grad_(True)
+    weight = weight.detach().requires_grad_(True)
+    with dist_autograd.context() as context_id:
+        h = rpc.rpc_sync(worker, torch.matmul, args=(x, weight))
+        loss = torch.tanh(h).pow(2).sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+        return loss.detach(), grads[x], grads[weight]

@@ -165,3 +165,22 @@ def test_context_releases_ride_on_the_next_call_and_pass_on_to_nested_workers(gr
         for worker, delay in previous.items():
             rpc.rpc_sync(worker, af.set_cleanup_delay, args=(delay,))
 
+
+
+def test_backward_started_inside_rpc_calls_by_every_pool_thread(group):
+    """Every pool thread of worker1 runs a backward pass it started itself inside an RPC call
+    (the pass's home is a pool thread, which receives the answers to its own gradient
+    requests while it waits); more calls than threads, all at once: none may deadlock, and
+    each gets the gradients local autograd gives."""
+    calls = 2 * 4  # the group's num_worker_threads is 4
+    inputs = [(torch.randn(3, 4, generator=torch.Generator().manual_seed(i)),
+               torch.randn(4, 2, generator=torch.Generator().manual_seed(100 + i))) for i in range(calls)]
+    futures = [rpc.rpc_async("worker1", af.train_step_here, args=("worker2", x, w)) for x, w in inputs]
+    for (x, w), future in zip(inputs, futures):
+        loss, x_grad, w_grad = future.wait()
+        x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        expected = torch.tanh(x @ w).pow(2).sum()
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        torch.testing.assert_close(x_grad, x.grad)
+        torch.testing.assert_close(w_grad, w.grad)
