@@ -3,7 +3,7 @@
 A thread that waits for an answer (``Endpoint.recv``, ``rpc_sync``) or for work (the
 dispatcher) would otherwise sleep until the I/O thread has received the message and woken it:
 two threads woken per message where one would do, and on the development VM each wake-up of
-a sleeping thread costs 60-80 us (docs/transport.md, "Waiting threads read"). So a waiting
+a sleeping thread costs 60-80 us (docs/transport.md, "Waiting threads receive"). So a waiting
 thread sleeps on the ROUTER's descriptor as well as on its own wake-up descriptor, and when
 input arrives it receives the message itself, under the socket lock, exactly as the I/O
 thread would (same validation, same routing): the message it waited for needs no hand-over.

@@ -287,7 +287,7 @@ class Pass:
                     fire.append(node)
             ready = self._ready_groups()
         if self._home is not None and threading.get_ident() != self._home:
-            self._post_home((self._run_delivered, (ready, fire)))
+            self.post_home(self._run_delivered, ready, fire)
             return
         self._run_delivered(ready, fire)
 
