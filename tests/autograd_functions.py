@@ -106,3 +106,51 @@ def train_step_here(worker: str, x: torch.Tensor, weight: torch.Tensor) -> tuple
         dist_autograd.backward(context_id, [loss])
         grads = dist_autograd.get_gradients(context_id)
         return loss.detach(), grads[x], grads[weight]
+
+
+class HookedLeaf:
+    """A leaf tensor with a post hook on its AccumulateGrad node that records the gradients
+    it is called with; the node is kept alive here (a leaf refers to it only weakly)."""
+
+    def __init__(self, seed: int, shape: tuple) -> None:
+        torch.manual_seed(seed)
+        self.tensor = torch.randn(*shape, requires_grad=True)
+        self.node = self.tensor.view_as(self.tensor).grad_fn.next_functions[0][0]
+        self.seen: list = []
+        self.failure: str | None = None
+        self.node.register_hook(self._record)
+        self.node.register_hook(self._maybe_fail)
+
+    def _record(self, grad_inputs, grad_outputs):
+        assert grad_inputs == ()
+        self.seen.append(grad_outputs[0].detach().clone())
+
+    def _maybe_fail(self, grad_inputs, grad_outputs):
+        if self.failure is not None:
+            raise ValueError(self.failure)
+
+
+_hooked: dict[str, HookedLeaf] = {}
+
+
+def make_hooked_leaf(name: str, seed: int, shape: tuple) -> None:
+    _hooked[name] = HookedLeaf(seed, shape)
+
+
+def matmul_hooked(name: str, x: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x, _hooked[name].tensor)
+
+
+def take_hook_calls(name: str) -> list:
+    seen, _hooked[name].seen = _hooked[name].seen, []
+    return seen
+
+
+def hooked_leaf_gradient(name: str, context_id: int) -> torch.Tensor | None:
+    import zmqautograd.autograd as dist_autograd
+
+    return dist_autograd.get_gradients(context_id).get(_hooked[name].tensor)
+
+
+def fail_hook(name: str, message: str | None) -> None:
+    _hooked[name].failure = message

@@ -49,15 +49,6 @@ def requires_gpus(count):
     return mark
 
 
-def known_gap(reason):
-    """A behaviour of torch's that zmqautograd does not have (yet): the test must fail."""
-    def mark(test):
-        test._known_gap = reason
-        return test
-
-    return mark
-
-
 def wait_until_node_failure(rank, expected_error_regex=".*", timeout=30):
     """Call ``rank`` until calls fail the way a dead worker's do."""
     import re
@@ -2397,9 +2388,6 @@ class DistAutogradTest(CommonDistAutogradTest):
             # refcount.
             self.assertTrue(p_g == p_a)
 
-    @known_gap("post hooks registered on a leaf's AccumulateGrad node do not run: the engine captures leaf "
-               "gradients through GradientEdge, and PyTorch runs no post hooks of a captured node, nor lets "
-               "Python list them (docs/autograd.md)")
     def test_post_hooks(self):
         self.hook_called_times = 0
 

@@ -180,7 +180,6 @@ def _make_test(module_name: str, class_name: str, name: str, function: Any, opti
 
     gpus = getattr(function, "_gpus", 0)
     destructive = getattr(function, "_destructive", False)
-    gap = getattr(function, "_known_gap", None)
     own_options = getattr(function, "_options", None)  # torch's dist_init(faulty_messages=...)
 
     def test(shared_group):
@@ -203,6 +202,4 @@ def _make_test(module_name: str, class_name: str, name: str, function: Any, opti
 
     test.__name__ = test.__qualname__ = name
     test.__doc__ = f"{class_name}.{name}"
-    if gap:
-        test = pytest.mark.xfail(reason=gap, strict=True, raises=AssertionError)(test)
     return test

@@ -184,3 +184,49 @@ def test_backward_started_inside_rpc_calls_by_every_pool_thread(group):
         torch.testing.assert_close(loss, expected.detach())
         torch.testing.assert_close(x_grad, x.grad)
         torch.testing.assert_close(w_grad, w.grad)
+
+
+def test_leaf_post_hooks_run_once_per_pass_with_the_leafs_whole_gradient(group):
+    """Post hooks on leaves' AccumulateGrad nodes (``node.register_hook``), as torch's engine
+    runs them: once per pass, after the gradient is accumulated, given the sum of every path.
+    The caller's leaf is reached by its local root and two send functions, the worker's
+    leaf by two send functions (two calls in one context): three and two groups feed them."""
+    rpc.rpc_sync("worker1", af.make_hooked_leaf, args=("w", 1, (3, 2)))
+    here = af.HookedLeaf(2, (4, 3))
+    local_w = af.HookedLeaf(1, (3, 2))
+
+    def forward(a, run):
+        r1 = run(a * 2)
+        r2 = run(a.sin())
+        return r1.pow(2).sum() + r2.sum() + (a * a).sum()
+
+    forward(here.tensor, lambda x: torch.matmul(x, local_w.tensor)).backward()
+    expected_here, expected_w = here.seen, local_w.seen
+    assert len(expected_here) == 1 and len(expected_w) == 1
+    here.seen = []
+    with dist_autograd.context() as context_id:
+        loss = forward(here.tensor, lambda x: rpc.rpc_sync("worker1", af.matmul_hooked, args=("w", x)))
+        for passes in (1, 2):  # each pass runs the hooks once, with that pass's gradient
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
+            assert len(here.seen) == 1
+            torch.testing.assert_close(here.seen.pop(), expected_here[0])
+            seen_w = rpc.rpc_sync("worker1", af.take_hook_calls, args=("w",))
+            assert len(seen_w) == 1
+            torch.testing.assert_close(seen_w[0], expected_w[0])
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[here.tensor], here.tensor.grad * 2)
+        torch.testing.assert_close(
+            rpc.rpc_sync("worker1", af.hooked_leaf_gradient, args=("w", context_id)), local_w.tensor.grad * 2
+        )
+
+
+def test_a_failing_leaf_post_hook_fails_the_pass_on_its_worker(group):
+    rpc.rpc_sync("worker2", af.make_hooked_leaf, args=("f", 3, (2, 2)))
+    x = torch.randn(2, 2, requires_grad=True)
+    rpc.rpc_sync("worker2", af.fail_hook, args=("f", "post hook refused"))
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker2", af.matmul_hooked, args=("f", x)).sum()
+        with pytest.raises(RuntimeError, match=r"Error on Node 2: .*post hook refused"):
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
+        rpc.rpc_sync("worker2", af.fail_hook, args=("f", None))
+        dist_autograd.backward(context_id, [loss])  # the context is usable for new passes
+        assert len(rpc.rpc_sync("worker2", af.take_hook_calls, args=("f",))) == 2

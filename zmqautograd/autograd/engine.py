@@ -12,8 +12,9 @@ The work between RPC boundaries runs in PyTorch's own engine, in *groups*:
   group; edges only go from a group to groups with larger masks, so groups form a DAG.
 * A group runs as one ``torch.autograd.grad`` call whose outputs are the gradient edges into
   it (from its roots and from smaller groups) and whose inputs are the edges leaving it (into
-  leaves, recv functions and larger groups). Leaf gradients go to the context; edges into
-  larger groups add to their input buffers; recv gradients are sent once all feeders ran.
+  leaves, recv functions and larger groups). Leaf gradients go to the context (then the
+  leaf's post hooks run, once per pass: see ``_post_hooks_due``); edges into larger groups
+  add to their input buffers; recv gradients are sent once all feeders ran.
 * A group is ready when all its roots delivered and all groups feeding it ran. Whoever
   delivers (the caller of ``backward``, or the RPC thread that received a gradient) runs
   what became ready, so no thread ever waits for a remote answer inside the engine.
@@ -51,7 +52,7 @@ from torch.autograd.graph import GradientEdge
 from .. import timers
 from ..rpc.errors import RpcError
 from .context import DistAutogradContext, add_gradients
-from .functions import RecvInfo, is_leaf_node, is_recv_node, profiled, recv_info
+from .functions import RecvInfo, is_leaf_node, is_recv_node, post_hooks_of, profiled, recv_info
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class _Group:
     captures: list = field(default_factory=list)  # edges leaving the group, deduplicated
     capture_edges: tuple = ()  # the same, as GradientEdges (the engine's inputs)
     capture_leaves: tuple = ()  # for each, whether it is a leaf's AccumulateGrad
+    hooked_leaves: tuple = ()  # (position in captures, node) of captured leaves whose post hooks we found
     feeders: set = field(default_factory=set)  # indices of groups with edges into this one
     feeds: list = field(default_factory=list)  # indices of the groups it has edges into
     recv_targets: list = field(default_factory=list)  # recv functions among its exits
@@ -105,6 +107,11 @@ class Plan:
             group.nodes.append(node)
             self.group_of[node] = group.index
         self.exits: dict[Any, _Exit] = {n: _Exit(n) for n in nodes if _is_exit(n)}
+        # The dicts of the leaves' Python post hooks (functions.post_hooks_of): the engine
+        # runs them once per pass, with the leaf's whole gradient of the pass.
+        self.post_hooks = {
+            node: hooks for node in self.exits if is_leaf_node(node) and (hooks := post_hooks_of(node)) is not None
+        }
         for group in self.groups:
             seen = set()
             for node in group.nodes:
@@ -129,6 +136,9 @@ class Plan:
             group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if is_recv_node(t)))
             group.capture_edges = tuple(GradientEdge(node, slot) for node, slot in group.captures)
             group.capture_leaves = tuple(is_leaf_node(node) for node, _ in group.captures)
+            group.hooked_leaves = tuple(
+                (position, node) for position, (node, _) in enumerate(group.captures) if node in self.post_hooks
+            )
         # Per root: the recv functions its own edges point at (they wait for its delivery).
         self.direct_exits = {
             key: [node for node, e in self.exits.items() if e.direct_roots & bit and is_recv_node(node)]
@@ -227,6 +237,10 @@ class Pass:
         self._waiting_feeders = [len(g.feeders) for g in plan.groups]
         self._started = [False] * len(plan.groups)
         self._exit_buffers: dict[Any, dict] = {}
+        # Leaves with post hooks: how many feeding groups have yet to run, and the sum of
+        # what those that ran gave (the hooks run once, after the last).
+        self._hook_waiting = {node: len(plan.exits[node].feeders) for node in plan.post_hooks}
+        self._hook_grads: dict[Any, torch.Tensor] = {}
         self._exit_waiting = {
             node: len(e.feeders) + bin(e.direct_roots).count("1") for node, e in plan.exits.items() if is_recv_node(node)
         }
@@ -397,6 +411,7 @@ class Pass:
                     self.context.accumulate_grad(target.variable, grad, may_steal=id(grad) not in aliased and grad._use_count() <= 1)
                 else:
                     self._buffer(target, slot, grad)
+            post_hooks = self._post_hooks_due(group, results) if group.hooked_leaves else ()
             results = ()
             for target in group.recv_targets:
                 self._exit_waiting[target] -= 1
@@ -407,9 +422,30 @@ class Pass:
             ready = self._ready_groups()
             self._remaining -= 1
             finished = self._remaining == 0 and self._outstanding == 0
+        for hooks, grad in post_hooks:
+            # As the seeds' capture hook calls them: no grad_inputs (the node has no outputs),
+            # the gradient it was given as grad_outputs; what they return is not used. An
+            # error fails the pass (the caller's _drain).
+            for hook in tuple(hooks.values()):
+                hook((), (grad,))
         if finished:
             self._finish()
         return ready, fire
+
+    def _post_hooks_due(self, group: _Group, results: tuple) -> list:  # caller holds the lock
+        """Count ``group`` in for its leaves with post hooks; (hooks, gradient) of those whose
+        last feeding group it was and that got a gradient this pass."""
+        due = []
+        for position, node in group.hooked_leaves:
+            self._hook_waiting[node] -= 1
+            if not self.plan.post_hooks[node]:
+                continue  # most leaves: the dict is empty, nothing to sum
+            grad = results[position] if position < len(results) else None
+            if grad is not None:
+                self._add(self._hook_grads, node, grad)
+            if self._hook_waiting[node] == 0 and (total := self._hook_grads.pop(node, None)) is not None:
+                due.append((self.plan.post_hooks[node], total))
+        return due
 
     def _fire_recv(self, node: Any) -> None:
         """All gradients for a recv function are in: send them to the worker it came from."""

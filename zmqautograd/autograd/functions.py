@@ -95,6 +95,33 @@ def is_leaf_node(node: Any) -> bool:
     return type(node).__name__ == "AccumulateGrad"
 
 
+def post_hooks_of(node: Any) -> dict | None:
+    """The dict that holds the Python post hooks of ``node`` (an AccumulateGrad), by hook id;
+    hooks registered on the node later land in the same dict. None when it cannot be found.
+
+    The engine captures a leaf's gradient at the edge into its AccumulateGrad node, so
+    PyTorch never runs that node and its post hooks; the engine runs them itself, as the
+    seeds' capture hook does. PyTorch has no API to list them, but registering a hook returns
+    a handle that refers to the node's one dict of Python post hooks: register a probe, keep
+    the dict, remove the probe. On a node that had no Python post hook this leaves an empty
+    dict behind, which a *local* backward through the node then looks at (a GIL round)."""
+    try:
+        handle = node.register_hook(_probe_hook)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    try:
+        hooks = handle.hooks_dict_ref()
+    except AttributeError:  # a torch whose handles are built differently
+        hooks = None
+    finally:
+        handle.remove()
+    return hooks if isinstance(hooks, dict) else None
+
+
+def _probe_hook(grad_inputs: Any, grad_outputs: Any) -> None:  # registered and removed at once, never run
+    return None
+
+
 def make_send_node(tensors: list[torch.Tensor]) -> Any:
     """A SendRpcBackward node whose next functions are the edges of ``tensors`` (which all
     require grad)."""
