@@ -116,3 +116,108 @@ def test_a_failing_call_does_not_cost_a_thread(pool):
     pool.submit(ran.set)
     assert ran.wait(10)
     assert all(thread.is_alive() for thread in pool._threads)
+
+
+class _Answers:
+    """Calls that 'answer' the way the RPC agent does: held while the pool says so (pool.py,
+    "Held work"), else at once. ``events`` logs the calls and the answers in the order they
+    happened; ``sent[n]`` is set once answer ``n`` went."""
+
+    def __init__(self, pool: ElasticPool, count: int) -> None:
+        self.pool = pool
+        self.events: list[str] = []
+        self.held: list[bool] = []
+        self.sent = [threading.Event() for _ in range(count)]
+
+    def call(self, n: int) -> None:
+        self.events.append(f"ran {n}")
+        hold = self.pool.should_hold()
+        self.held.append(hold)
+        if hold:
+            self.pool.hold(self._send, n)
+        else:
+            self._send(n)
+
+    def _send(self, n: int) -> None:
+        self.events.append(f"sent {n}")
+        self.sent[n].set()
+
+
+def _queue_behind_a_gate(pool: ElasticPool, *calls) -> threading.Event:
+    """Submit a call that waits, then ``calls`` (queued behind it); returns the gate."""
+    gate, started = threading.Event(), threading.Event()
+
+    def wait_at_gate() -> None:
+        started.set()
+        gate.wait(30)
+
+    pool.submit(wait_at_gate)
+    assert started.wait(10)
+    for function, *args in calls:
+        pool.submit(function, *args)
+    return gate
+
+
+def test_answers_are_held_while_calls_wait_and_leave_in_order_when_the_thread_runs_out():
+    pool = ElasticPool(1, "test-held")
+    try:
+        answers = _Answers(pool, 5)
+        gate = _queue_behind_a_gate(pool, *[(answers.call, n) for n in range(5)])
+        gate.set()
+        assert answers.sent[4].wait(10)
+        assert answers.events == [f"ran {n}" for n in range(5)] + [f"sent {n}" for n in range(5)]
+        assert answers.held == [True] * 5
+    finally:
+        pool.shutdown(timeout=10)
+
+
+def test_held_answers_go_once_max_held_are_held():
+    pool = ElasticPool(1, "test-held", max_held=2)
+    try:
+        answers = _Answers(pool, 4)
+        done = threading.Event()
+        gate = _queue_behind_a_gate(pool, *[(answers.call, n) for n in range(4)], (done.set,))
+        gate.set()
+        assert done.wait(10)
+        assert answers.events[:6] == ["ran 0", "ran 1", "sent 0", "sent 1", "ran 2", "ran 3"]
+    finally:
+        pool.shutdown(timeout=10)
+
+
+def test_a_held_answer_does_not_wait_behind_a_long_call():
+    """The next call blocks where the pool cannot see it, on the held answer itself: the
+    watchdog sends it once that call has run longer than ``handoff``."""
+    pool = ElasticPool(1, "test-held", handoff=0.01)
+    try:
+        answers = _Answers(pool, 1)
+        seen = []
+
+        def wait_for_answer() -> None:
+            seen.append(answers.sent[0].wait(10))
+
+        done = threading.Event()
+        gate = _queue_behind_a_gate(pool, (answers.call, 0), (wait_for_answer,), (done.set,))
+        gate.set()
+        assert done.wait(20)
+        assert answers.held == [True] and seen == [True]
+    finally:
+        pool.shutdown(timeout=10)
+
+
+def test_a_thread_sends_what_it_held_before_it_waits_in_blocking():
+    pool = ElasticPool(1, "test-held")
+    try:
+        answers = _Answers(pool, 1)
+        seen = []
+
+        def nested_wait() -> None:
+            with pool.blocking():
+                seen.append(list(answers.events))
+
+        done = threading.Event()
+        gate = _queue_behind_a_gate(pool, (answers.call, 0), (nested_wait,), (done.set,))
+        gate.set()
+        assert done.wait(10)
+        assert answers.held == [True] and seen == [["ran 0", "sent 0"]]
+    finally:
+        pool.shutdown(timeout=10)

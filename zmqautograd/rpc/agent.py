@@ -606,16 +606,24 @@ class Agent:
             if context is not None:
                 autograd_forward.record_send(self.autograd, reply.payload["ag"], tensors, int(to))
             del tensors
-            if to == me:
-                self._complete(self._loopback(frames))
-            else:
-                self.endpoint.send_encoded(to, reply.id, frames, reply.type)
         except (LocalProtocolError, SerializationError, DeviceMapError) as exc:
             # The result itself cannot travel (or has no device map back): the caller gets
             # that as its error.
             self._reply(request, None, SerializationError(f"the result of the call could not be sent back: {exc}"), None)
+            return
+        if to == me:
+            self._complete(self._loopback(frames))
+        elif self.pool.should_hold():
+            # More calls wait for this thread: the answer leaves with theirs (pool.py, "Held work").
+            self.pool.hold(self._send_answer, to, reply.id, frames, reply.type)
+        else:
+            self._send_answer(to, reply.id, frames, reply.type)
+
+    def _send_answer(self, to: str, message_id: int, frames: list, message_type: MessageType) -> None:
+        try:
+            self.endpoint.send_encoded(to, message_id, frames, message_type)
         except TransportError as exc:
-            log.warning("%s: could not answer call %d from %s: %s", self.info, request.id, to, exc)
+            log.warning("%s: could not answer call %d from %s: %s", self.info, message_id, to, exc)
 
     def _complete(self, message: Message) -> None:
         pending = self._claim(message.id)
