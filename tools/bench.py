@@ -12,6 +12,10 @@ backward and a compute-bound call with each framework alone in its own pair of p
 (set to one intra-op thread each), the groups alternating round by round: TensorPipe,
 zmqautograd, and zmqautograd with the opt-in ``busy_poll``.
 
+The last column of each table is the share of the machine's CPU time the hypervisor stole
+while that row was measured (tools/machine.py): on a shared VM, the slow runs are the runs
+with steal.
+
     python tools/bench.py [--rounds 9] [--standalone-rounds 3]
 """
 
@@ -35,6 +39,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import zmqautograd.autograd as zmq_autograd  # noqa: E402
 import zmqautograd.rpc as zmq_rpc  # noqa: E402
+from tools.machine import StealMeter  # noqa: E402
 
 WORLD = 4
 WIDTH = 64
@@ -133,16 +138,18 @@ def run(rank: int, tp_port: int, zmq_port: int, rounds: int) -> None:
             ("dist autograd: one hop fwd+bwd", "us", 1e6, lambda rpc, ag: one_hop_backward(rpc, ag, 50), "time"),
             ("dist autograd: 4-stage pipeline step", "us", 1e6, lambda rpc, ag: pipeline_step(rpc, ag, 20), "time"),
         ]
-        print(f"{'workload':<38}{'TensorPipe':>14}{'zmqautograd':>14}{'ratio':>8}", flush=True)
+        print(f"{'workload':<38}{'TensorPipe':>14}{'zmqautograd':>14}{'ratio':>8}{'stolen':>9}", flush=True)
         for title, unit, scale, measure, kind in workloads:
             for rpc, autograd in frameworks.values():
                 measure(rpc, autograd)  # warm-up
             samples = {name: [] for name in frameworks}
+            steal = StealMeter()
             for _ in range(rounds):
                 for name, (rpc, autograd) in frameworks.items():
                     samples[name].append(measure(rpc, autograd))
             tp, ours = (statistics.median(samples[n]) for n in frameworks)
-            print(f"{title:<38}{tp * scale:>10.0f} {unit:<4}{ours * scale:>9.0f} {unit:<4}{ours / tp:>6.2f}x", flush=True)
+            print(f"{title:<38}{tp * scale:>10.0f} {unit:<4}{ours * scale:>9.0f} {unit:<4}{ours / tp:>6.2f}x"
+                  f"{steal.text():>9}", flush=True)
     zmq_rpc.shutdown()
     tp_rpc.shutdown()
 
@@ -194,20 +201,25 @@ def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -
 def standalone(rounds: int) -> None:
     results = mp.get_context("spawn").SimpleQueue()
     samples: dict[str, list] = {name: [] for name in STANDALONE}
+    stolen: dict[str, list] = {name: [] for name in STANDALONE}
     for _ in range(rounds):
         for name, (framework, busy_poll) in STANDALONE.items():
+            steal = StealMeter()
             mp.spawn(run_alone, args=(framework, busy_poll, _free_port(), results), nprocs=2)
             samples[name].append(results.get())
+            stolen[name].append(steal.share())
     print(f"\neach framework alone, 2 processes, torch.set_num_threads(1) ({rounds} alternating rounds)", flush=True)
     columns = ("rpc_sync small", "one hop fwd+bwd", "compute-bound call")
-    print(f"{'':<34}" + "".join(f"{c:>20}" for c in columns), flush=True)
+    print(f"{'':<34}" + "".join(f"{c:>20}" for c in columns) + f"{'stolen':>9}", flush=True)
     tp = [statistics.median(v[i] for v in samples["TensorPipe"]) for i in range(len(columns))]
     for name, values in samples.items():
         cells = []
         for i in range(len(columns)):
             median = statistics.median(v[i] for v in values)
             cells.append(f"{median * 1e6:>11.0f} us {median / tp[i]:>5.2f}x")
-        print(f"{name:<34}" + "".join(cells), flush=True)
+        shares = [share for share in stolen[name] if share is not None]
+        steal = f"{statistics.median(shares) * 100:.1f}%" if shares else "n/a"
+        print(f"{name:<34}" + "".join(cells) + f"{steal:>9}", flush=True)
 
 
 def main() -> None:

@@ -9,6 +9,9 @@ The small round trip is also measured with the opt-in modes: ``inline_handlers``
 server, and ``busy_poll`` on both ends, which is compared with a raw pyzmq ping-pong whose two
 ends also spin (poll without sleeping, yielding the CPU) instead of sleeping in ``recv``.
 
+``stolen``: the share of the machine's CPU time the hypervisor stole while a row was measured
+(tools/machine.py).
+
     python tools/bench_transport.py [--rounds 15] [--small-per-round 300]
 """
 
@@ -34,6 +37,7 @@ import zmq  # noqa: E402
 from transport import Message, MessageType  # noqa: E402
 from transport.endpoint import Endpoint, EndpointOptions  # noqa: E402
 from transport.tensors import as_buffer  # noqa: E402
+from tools.machine import StealMeter  # noqa: E402
 
 SIZES_MB = (1, 16, 64)
 
@@ -182,22 +186,23 @@ def main() -> None:
     try:
         rows = [("small", torch.zeros(2), args.small_per_round)]
         rows += [(f"{mb}MB", torch.ones(mb << 20, dtype=torch.uint8), 1 if mb > 1 else 5) for mb in SIZES_MB]
-        print(f"{'round trip':<12}{'raw pyzmq':>14}{'zmqautograd':>14}{'ratio':>8}   goal", flush=True)
+        print(f"{'round trip':<12}{'raw pyzmq':>14}{'zmqautograd':>14}{'ratio':>8}{'stolen':>9}   goal", flush=True)
         for key, payload, per_round in rows:
             contenders = clients if key == "small" else {k: clients[k] for k in ("raw", "ours")}
+            steal = StealMeter()
             result = compare(contenders, payload, args.rounds, per_round)
             goal = "<= 2.0x" if key == "small" else "<= 1.3x" if key == "64MB" else ""
             unit, scale = ("us", 1e6) if key == "small" else ("ms", 1e3)
             print(
                 f"{key:<12}{result['raw'] * scale:>11.1f} {unit}{result['ours'] * scale:>11.1f} {unit}"
-                f"{result['ours'] / result['raw']:>7.2f}x   {goal}",
+                f"{result['ours'] / result['raw']:>7.2f}x{steal.text():>9}   {goal}",
                 flush=True,
             )
             for name, baseline, what in variants:
                 if name in result:
                     print(
                         f"{'  ' + name:<12}{result[baseline] * scale:>11.1f} {unit}{result[name] * scale:>11.1f} {unit}"
-                        f"{result[name] / result[baseline]:>7.2f}x   ({what})",
+                        f"{result[name] / result[baseline]:>7.2f}x{'':>9}   ({what})",
                         flush=True,
                     )
     finally:

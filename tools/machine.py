@@ -1,0 +1,43 @@
+"""What the machine did to a benchmark: CPU time the hypervisor stole from this VM.
+
+On a shared VM the hypervisor runs other guests on "our" CPUs; Linux counts that time as
+*steal* (the 8th field of /proc/stat's ``cpu`` line). On the development VM the slow runs
+were the runs with steal: a 2-process ``rpc_sync`` loop took 630-760 us in runs with at most
+0.15 s stolen, and 2.2-2.3 ms in runs with 2.9-4.2 s stolen (README, "Figures"). So the
+benchmarks print the share of the machine's CPU time stolen while they measured: read a
+figure next to its steal.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def _steal_seconds() -> float | None:
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None  # not Linux, or a kernel without the field
+
+
+class StealMeter:
+    """Started at construction; ``share()`` is the fraction of all CPUs' time stolen since
+    (None where the kernel does not say)."""
+
+    def __init__(self) -> None:
+        self._steal = _steal_seconds()
+        self._start = time.monotonic()
+
+    def share(self) -> float | None:
+        steal = _steal_seconds()
+        if steal is None or self._steal is None:
+            return None
+        elapsed = time.monotonic() - self._start
+        return (steal - self._steal) / (elapsed * (os.cpu_count() or 1)) if elapsed > 0 else 0.0
+
+    def text(self) -> str:
+        share = self.share()
+        return "n/a" if share is None else f"{share * 100:.1f}%"
