@@ -135,6 +135,39 @@ def test_extension_and_fallback():
     assert round_trip([Opaque()], codec)[0] == ["rebuilt"]
 
 
+def test_an_extension_encoder_may_encode_another_message_and_fail_halfway():
+    """Packers are reused per thread and nesting depth (codec._ThreadPackers): an extension's
+    encoder that encodes a whole message of its own (as the RPC layer's RRef encoder may send
+    one), or that fails halfway, must leave every message intact."""
+    codec = Codec()
+    inner_frames = []
+
+    class Sends:
+        def __init__(self, value):
+            self.value = value
+
+    def encode_sends(obj):
+        inner_frames.append(codec.encode(Message(MessageType.RREF_FORK_REQUEST, 7, "x", {"w": (obj.value, [torch.ones(1)])})))
+        return [obj.value, (obj.value,)]
+
+    codec.add_extension(Extension(22, Sends, encode_sends, lambda v: ("sent", v[0], v[1])))
+    payload = {"a": (1, Sends((2, torch.arange(2))), [torch.zeros(3)]), "b": torch.Size([4])}
+    got = codec.decode(codec.encode(Message(MessageType.PYTHON_CALL, 1, "a", payload))).payload
+    assert got["a"][0] == 1 and got["a"][1][0] == "sent" and got["b"] == torch.Size([4])
+    assert torch.equal(got["a"][1][1][1], torch.arange(2)) and torch.equal(got["a"][2][0], torch.zeros(3))
+    inner = codec.decode(inner_frames[0])
+    assert inner.id == 7 and inner.payload["w"][0][0] == 2 and torch.equal(inner.payload["w"][1][0], torch.ones(1))
+
+    def fail(obj):
+        raise LocalProtocolError("refused halfway")
+
+    failing = Codec(extensions=[Extension(23, Sends, fail, lambda v: v)])
+    with pytest.raises(LocalProtocolError, match="refused halfway"):
+        failing.encode(Message(MessageType.PYTHON_CALL, 2, "a", {"x": [(1, 2), Sends(0)]}))
+    again = failing.decode(failing.encode(Message(MessageType.PYTHON_CALL, 3, "a", {"x": [(1, 2), 3]})))
+    assert again.id == 3 and again.payload == {"x": [(1, 2), 3]}
+
+
 def test_plain_decoding_refuses_extensions_and_keeps_the_rest():
     codec = Codec()
     frames = codec.encode(Message(MessageType.PYTHON_RET, 1, "a", {"v": (torch.ones(2), torch.Size([2]))}))
