@@ -277,7 +277,11 @@ class ElasticPool:
                         self._last_progress = time.monotonic()
                     continue
                 if me in self._held:  # out of work: what it held goes now
+                    # Sending counts as progress: work that comes meanwhile waits for this
+                    # thread rather than waking another (the wake-up policy above).
+                    self._running[me] = time.monotonic()
                     self._release_held_locked(me)
+                    self._running.pop(me, None)
                     continue
                 if len(self._threads) > self.size:
                     break  # surplus, and nothing to do: leave
