@@ -139,7 +139,8 @@ class ElasticPool:
                 log.exception("pool %s: held %s failed", self.name, getattr(function, "__qualname__", function))
 
     def _release_held_locked(self, thread: threading.Thread) -> None:
-        """Run what ``thread`` holds (caller holds the lock; released meanwhile)."""
+        """Run what ``thread`` holds, on the calling thread (caller holds the lock; released
+        meanwhile)."""
         held = self._held.pop(thread, None)
         if held:
             self._lock.release()
@@ -319,13 +320,7 @@ class ElasticPool:
         """On the watchdog: run what threads hold whose current call has taken longer than
         ``handoff`` (caller holds the lock; released meanwhile)."""
         for thread in [t for t in self._held if now - self._running.get(t, now) > self.handoff]:
-            held = self._held.pop(thread, None)
-            if held:
-                self._lock.release()
-                try:
-                    self._run_held(held)
-                finally:
-                    self._lock.acquire()
+            self._release_held_locked(thread)
 
     def _watch(self) -> None:
         with self._lock:
