@@ -237,9 +237,10 @@ class Pass:
         self._waiting_feeders = [len(g.feeders) for g in plan.groups]
         self._started = [False] * len(plan.groups)
         self._exit_buffers: dict[Any, dict] = {}
-        # Leaves with post hooks: how many feeding groups have yet to run, and the sum of
-        # what those that ran gave (the hooks run once, after the last).
-        self._hook_waiting = {node: len(plan.exits[node].feeders) for node in plan.post_hooks}
+        # Leaves with post hooks when the pass starts (most passes: none): how many feeding
+        # groups have yet to run, and the sum of what those that ran gave (the hooks run once,
+        # after the last).
+        self._hook_waiting = {node: len(plan.exits[node].feeders) for node, hooks in plan.post_hooks.items() if hooks}
         self._hook_grads: dict[Any, torch.Tensor] = {}
         self._exit_waiting = {
             node: len(e.feeders) + bin(e.direct_roots).count("1") for node, e in plan.exits.items() if is_recv_node(node)
@@ -411,7 +412,7 @@ class Pass:
                     self.context.accumulate_grad(target.variable, grad, may_steal=id(grad) not in aliased and grad._use_count() <= 1)
                 else:
                     self._buffer(target, slot, grad)
-            post_hooks = self._post_hooks_due(group, results) if group.hooked_leaves else ()
+            post_hooks = self._post_hooks_due(group, results) if self._hook_waiting and group.hooked_leaves else ()
             results = ()
             for target in group.recv_targets:
                 self._exit_waiting[target] -= 1
@@ -437,9 +438,9 @@ class Pass:
         last feeding group it was and that got a gradient this pass."""
         due = []
         for position, node in group.hooked_leaves:
+            if node not in self._hook_waiting:
+                continue  # most leaves: no post hook
             self._hook_waiting[node] -= 1
-            if not self.plan.post_hooks[node]:
-                continue  # most leaves: the dict is empty, nothing to sum
             grad = results[position] if position < len(results) else None
             if grad is not None:
                 self._add(self._hook_grads, node, grad)
