@@ -39,7 +39,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import zmqautograd.autograd as zmq_autograd  # noqa: E402
 import zmqautograd.rpc as zmq_rpc  # noqa: E402
-from tools.machine import StealMeter  # noqa: E402
+from tools.machine import StealMeter, percent  # noqa: E402
 
 WORLD = 4
 WIDTH = 64
@@ -218,8 +218,8 @@ def standalone(rounds: int) -> None:
             median = statistics.median(v[i] for v in values)
             cells.append(f"{median * 1e6:>11.0f} us {median / tp[i]:>5.2f}x")
         shares = [share for share in stolen[name] if share is not None]
-        steal = f"{statistics.median(shares) * 100:.1f}%" if shares else "n/a"
-        print(f"{name:<34}" + "".join(cells) + f"{steal:>9}", flush=True)
+        median_share = statistics.median(shares) if shares else None
+        print(f"{name:<34}" + "".join(cells) + f"{percent(median_share):>9}", flush=True)
 
 
 def main() -> None:

@@ -39,5 +39,9 @@ class StealMeter:
         return (steal - self._steal) / (elapsed * (os.cpu_count() or 1)) if elapsed > 0 else 0.0
 
     def text(self) -> str:
-        share = self.share()
-        return "n/a" if share is None else f"{share * 100:.1f}%"
+        return percent(self.share())
+
+
+def percent(share: float | None) -> str:
+    """A stolen share as the benchmarks print it."""
+    return "n/a" if share is None else f"{share * 100:.1f}%"

@@ -116,9 +116,11 @@ class ElasticPool:
         return _current_pool.pool is self and (bool(self._work) or threading.current_thread() in self._held)
 
     def hold(self, function: Callable, *args: Any) -> None:
-        """Run ``function(*args)`` later, on a pool thread, together with what the calling
-        pool thread holds after it (see the module's docstring); calls of one thread run in
-        order. Only on a pool thread. ``function`` handles its own errors (they are logged)."""
+        """Run ``function(*args)`` later, together with what the calling pool thread holds
+        after it (see the module's docstring), in the order they were held: on that thread, or
+        on the watchdog when the thread's current call runs long (the thread's later sends may
+        then go before them). Only on a pool thread. ``function`` handles its own errors (they
+        are logged)."""
         me = threading.current_thread()
         with self._lock:
             held = self._held.setdefault(me, [])
