@@ -110,16 +110,25 @@ def train_step_here(worker: str, x: torch.Tensor, weight: torch.Tensor) -> tuple
 
 class HookedLeaf:
     """A leaf tensor with a post hook on its AccumulateGrad node that records the gradients
-    it is called with; the node is kept alive here (a leaf refers to it only weakly)."""
+    it is called with; the node is kept alive here (a leaf refers to it only weakly). With
+    ``clamp``, also a tensor hook (``register_hook`` on the leaf) that records its input and
+    clamps it to [-clamp, clamp]."""
 
-    def __init__(self, seed: int, shape: tuple) -> None:
+    def __init__(self, seed: int, shape: tuple, clamp: float | None = None) -> None:
         torch.manual_seed(seed)
         self.tensor = torch.randn(*shape, requires_grad=True)
         self.node = self.tensor.view_as(self.tensor).grad_fn.next_functions[0][0]
         self.seen: list = []
+        self.tensor_seen: list = []
         self.failure: str | None = None
         self.node.register_hook(self._record)
         self.node.register_hook(self._maybe_fail)
+        if clamp is not None:
+            self.tensor.register_hook(lambda grad: self._clamp(grad, clamp))
+
+    def _clamp(self, grad: torch.Tensor, bound: float) -> torch.Tensor:
+        self.tensor_seen.append(grad.detach().clone())
+        return grad.clamp(-bound, bound)
 
     def _record(self, grad_inputs, grad_outputs):
         assert grad_inputs == ()
@@ -133,8 +142,8 @@ class HookedLeaf:
 _hooked: dict[str, HookedLeaf] = {}
 
 
-def make_hooked_leaf(name: str, seed: int, shape: tuple) -> None:
-    _hooked[name] = HookedLeaf(seed, shape)
+def make_hooked_leaf(name: str, seed: int, shape: tuple, clamp: float | None = None) -> None:
+    _hooked[name] = HookedLeaf(seed, shape, clamp)
 
 
 def matmul_hooked(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -143,6 +152,11 @@ def matmul_hooked(name: str, x: torch.Tensor) -> torch.Tensor:
 
 def take_hook_calls(name: str) -> list:
     seen, _hooked[name].seen = _hooked[name].seen, []
+    return seen
+
+
+def take_tensor_hook_calls(name: str) -> list:
+    seen, _hooked[name].tensor_seen = _hooked[name].tensor_seen, []
     return seen
 
 

@@ -194,12 +194,7 @@ def test_leaf_post_hooks_run_once_per_pass_with_the_leafs_whole_gradient(group):
     rpc.rpc_sync("worker1", af.make_hooked_leaf, args=("w", 1, (3, 2)))
     here = af.HookedLeaf(2, (4, 3))
     local_w = af.HookedLeaf(1, (3, 2))
-
-    def forward(a, run):
-        r1 = run(a * 2)
-        r2 = run(a.sin())
-        return r1.pow(2).sum() + r2.sum() + (a * a).sum()
-
+    forward = _hooked_forward
     forward(here.tensor, lambda x: torch.matmul(x, local_w.tensor)).backward()
     expected_here, expected_w = here.seen, local_w.seen
     assert len(expected_here) == 1 and len(expected_w) == 1
@@ -217,6 +212,63 @@ def test_leaf_post_hooks_run_once_per_pass_with_the_leafs_whole_gradient(group):
         torch.testing.assert_close(
             rpc.rpc_sync("worker1", af.hooked_leaf_gradient, args=("w", context_id)), local_w.tensor.grad * 2
         )
+
+
+def _hooked_forward(a, run):
+    """The graph of the leaf-hook tests: ``a`` reaches the loss through two calls and a local
+    term, so on the caller three groups (one per root) feed ``a``, and on the callee two
+    (one per call) feed the weight the calls use."""
+    r1 = run(a * 2)
+    r2 = run(a.sin())
+    return r1.pow(2).sum() + r2.sum() + (a * a).sum()
+
+
+def test_leaf_tensor_hooks_run_once_per_pass_on_the_leafs_whole_gradient(group):
+    """Tensor hooks on leaves (``leaf.register_hook``), as torch's engine runs them: once per
+    pass, on the sum of every path, before the gradient is accumulated, and the post hooks
+    see what they returned. The hook clamps: the clamp of the sum is not the sum of clamped
+    parts (checked first), so a hook run per group gives another gradient."""
+    bound = 0.5
+    rpc.rpc_sync("worker1", af.make_hooked_leaf, args=("tw", 1, (3, 2), bound))
+    here = af.HookedLeaf(2, (4, 3), clamp=bound)
+    local_w = af.HookedLeaf(1, (3, 2), clamp=bound)
+
+    a = here.tensor.detach().clone().requires_grad_()
+    w = local_w.tensor.detach().clone().requires_grad_()
+    terms = [torch.matmul(a * 2, w).pow(2).sum(), torch.matmul(a.sin(), w).sum(), (a * a).sum()]
+    for leaf, parts in ((a, terms), (w, terms[:2])):
+        grads = [torch.autograd.grad(term, leaf, retain_graph=True)[0] for term in parts]
+        per_part = sum(g.clamp(-bound, bound) for g in grads)
+        assert not torch.allclose(per_part, sum(grads).clamp(-bound, bound))
+
+    _hooked_forward(here.tensor, lambda x: torch.matmul(x, local_w.tensor)).backward()
+    for leaf in (here, local_w):
+        assert len(leaf.tensor_seen) == 1 and len(leaf.seen) == 1
+        torch.testing.assert_close(leaf.seen[0], leaf.tensor.grad)  # the post hook saw the clamped sum
+    expected_here, expected_w = here.tensor_seen.pop(), local_w.tensor_seen.pop()
+    here.seen = []
+    with dist_autograd.context() as context_id:
+        loss = _hooked_forward(here.tensor, lambda x: rpc.rpc_sync("worker1", af.matmul_hooked, args=("tw", x)))
+        for passes in (1, 2):
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
+            assert len(here.tensor_seen) == 1 and len(here.seen) == 1
+            torch.testing.assert_close(here.tensor_seen.pop(), expected_here)
+            torch.testing.assert_close(here.seen.pop(), here.tensor.grad)
+            seen_w = rpc.rpc_sync("worker1", af.take_tensor_hook_calls, args=("tw",))
+            assert len(seen_w) == 1
+            torch.testing.assert_close(seen_w[0], expected_w)
+            post_w = rpc.rpc_sync("worker1", af.take_hook_calls, args=("tw",))
+            assert len(post_w) == 1
+            torch.testing.assert_close(post_w[0], local_w.tensor.grad)
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[here.tensor], here.tensor.grad * 2)
+        torch.testing.assert_close(
+            rpc.rpc_sync("worker1", af.hooked_leaf_gradient, args=("tw", context_id)), local_w.tensor.grad * 2
+        )
+    # Outside a pass the hooks are the user's as before: a local backward runs them.
+    here.tensor.grad = None
+    _hooked_forward(here.tensor, lambda x: torch.matmul(x, local_w.tensor)).backward()
+    assert len(here.tensor_seen) == 1
+    torch.testing.assert_close(here.tensor_seen.pop(), expected_here)
 
 
 def test_a_failing_leaf_post_hook_fails_the_pass_on_its_worker(group):

@@ -13,8 +13,9 @@ The work between RPC boundaries runs in PyTorch's own engine, in *groups*:
 * A group runs as one ``torch.autograd.grad`` call whose outputs are the gradient edges into
   it (from its roots and from smaller groups) and whose inputs are the edges leaving it (into
   leaves, recv functions and larger groups). Leaf gradients go to the context (then the
-  leaf's post hooks run, once per pass: see ``_post_hooks_due``); edges into larger groups
-  add to their input buffers; recv gradients are sent once all feeders ran.
+  leaf's post hooks run, once per pass; a leaf that several groups feed gets its tensor
+  hooks once too, on the sum: see ``_leaves_due``); edges into larger groups add to their
+  input buffers; recv gradients are sent once all feeders ran.
 * A group is ready when all its roots delivered and all groups feeding it ran. Whoever
   delivers (the caller of ``backward``, or the RPC thread that received a gradient) runs
   what became ready, so no thread ever waits for a remote answer inside the engine.
@@ -40,6 +41,7 @@ of them, in a driver-orchestrated pipeline).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -52,7 +54,10 @@ from torch.autograd.graph import GradientEdge
 from .. import timers
 from ..rpc.errors import RpcError
 from .context import DistAutogradContext, add_gradients
-from .functions import RecvInfo, is_leaf_node, is_recv_node, post_hooks_of, profiled, recv_info
+from .functions import (
+    RecvInfo, is_leaf_node, is_recv_node, make_suppressible, post_hooks_of, profiled, recv_info, run_tensor_hooks,
+    suppressing, tensor_hooks_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +74,6 @@ class _Group:
     captures: list = field(default_factory=list)  # edges leaving the group, deduplicated
     capture_edges: tuple = ()  # the same, as GradientEdges (the engine's inputs)
     capture_leaves: tuple = ()  # for each, whether it is a leaf's AccumulateGrad
-    hooked_leaves: tuple = ()  # (position in captures, node) of captured leaves whose post hooks we found
     feeders: set = field(default_factory=set)  # indices of groups with edges into this one
     feeds: list = field(default_factory=list)  # indices of the groups it has edges into
     recv_targets: list = field(default_factory=list)  # recv functions among its exits
@@ -136,9 +140,9 @@ class Plan:
             group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if is_recv_node(t)))
             group.capture_edges = tuple(GradientEdge(node, slot) for node, slot in group.captures)
             group.capture_leaves = tuple(is_leaf_node(node) for node, _ in group.captures)
-            group.hooked_leaves = tuple(
-                (position, node) for position, (node, _) in enumerate(group.captures) if node in self.post_hooks
-            )
+        # Leaves that several groups feed: their tensor hooks must not run in each group's
+        # call (see Pass._held_leaves).
+        self.shared_leaves = [node for node, e in self.exits.items() if is_leaf_node(node) and len(e.feeders) > 1]
         # Per root: the recv functions its own edges point at (they wait for its delivery).
         self.direct_exits = {
             key: [node for node, e in self.exits.items() if e.direct_roots & bit and is_recv_node(node)]
@@ -242,6 +246,19 @@ class Pass:
         # after the last).
         self._hook_waiting = {node: len(plan.exits[node].feeders) for node, hooks in plan.post_hooks.items() if hooks}
         self._hook_grads: dict[Any, torch.Tensor] = {}
+        # CPU leaves that several groups feed and that have tensor hooks when the pass starts
+        # (most passes: none): torch's engine runs those hooks once, on the leaf's whole
+        # gradient, so they are held back in the groups' calls (functions.py, "leaves'
+        # tensor hooks"), the groups' parts wait here, and after the last feeding group the
+        # hooks run on their sum, which then goes to the context (and to the post hooks).
+        self._held_leaves: dict[Any, dict] = {}
+        for node in plan.shared_leaves:
+            hooks = tensor_hooks_of(node)
+            if hooks is not None and node.variable.device.type == "cpu":  # CUDA nodes run on device threads
+                make_suppressible(hooks)
+                self._held_leaves[node] = hooks
+                self._hook_waiting.setdefault(node, len(plan.exits[node].feeders))
+        self._suppressed = frozenset(id(hooks) for hooks in self._held_leaves.values())
         self._exit_waiting = {
             node: len(e.feeders) + bin(e.direct_roots).count("1") for node, e in plan.exits.items() if is_recv_node(node)
         }
@@ -391,28 +408,32 @@ class Pass:
             buffer, self._buffers[index] = self._buffers[index], {}
         results: tuple = ()
         if buffer and group.captures:
-            if group.stepwise:
-                results = _run_stepwise(group, buffer)
-            else:
-                results = _grad(
-                    tuple(GradientEdge(node, slot) for node, slot in buffer), tuple(buffer.values()),
-                    group.capture_edges, self.retain_graph,
-                )
+            with suppressing(self._suppressed) if self._suppressed else _NO_SUPPRESSION:
+                if group.stepwise:
+                    results = _run_stepwise(group, buffer)
+                else:
+                    results = _grad(
+                        tuple(GradientEdge(node, slot) for node, slot in buffer), tuple(buffer.values()),
+                        group.capture_edges, self.retain_graph,
+                    )
         del buffer
         aliased = _aliased(results)
         fire = []
+        held = self._held_leaves
         with self._lock:
             self.node_runs += 1
             for (target, slot), leaf, grad in zip(group.captures, group.capture_leaves, results):
                 if grad is None:
                     continue
                 if leaf:
+                    if held and target in held:
+                        continue  # its part waits for the others (_leaves_due)
                     # Outside the lock would be nicer; the context has its own lock and
                     # accumulating is cheap next to the group's backward.
                     self.context.accumulate_grad(target.variable, grad, may_steal=id(grad) not in aliased and grad._use_count() <= 1)
                 else:
                     self._buffer(target, slot, grad)
-            post_hooks = self._post_hooks_due(group, results) if self._hook_waiting and group.hooked_leaves else ()
+            post_hooks = self._leaves_due(group, results) if self._hook_waiting else ()
             results = ()
             for target in group.recv_targets:
                 self._exit_waiting[target] -= 1
@@ -423,29 +444,35 @@ class Pass:
             ready = self._ready_groups()
             self._remaining -= 1
             finished = self._remaining == 0 and self._outstanding == 0
-        for hooks, grad in post_hooks:
-            # As the seeds' capture hook calls them: no grad_inputs (the node has no outputs),
-            # the gradient it was given as grad_outputs; what they return is not used. An
-            # error fails the pass (the caller's _drain).
+        for node, hooks, grad in post_hooks:
+            # An error in a hook fails the pass (the caller's _drain).
+            if node in held:
+                grad = run_tensor_hooks(held[node], grad)
+                self.context.accumulate_grad(node.variable, grad, may_steal=grad._use_count() <= 1)
+            # Post hooks as the seeds' capture hook calls them: no grad_inputs (the node has
+            # no outputs), the gradient it was given as grad_outputs; what they return is
+            # not used.
             for hook in tuple(hooks.values()):
                 hook((), (grad,))
         if finished:
             self._finish()
         return ready, fire
 
-    def _post_hooks_due(self, group: _Group, results: tuple) -> list:  # caller holds the lock
-        """Count ``group`` in for its leaves with post hooks; (hooks, gradient) of those whose
-        last feeding group it was and that got a gradient this pass."""
+    def _leaves_due(self, group: _Group, results: tuple) -> list:  # caller holds the lock
+        """Count ``group`` in for its leaves with post hooks or held tensor hooks;
+        (node, post hooks, gradient) of those whose last feeding group it was and that got
+        a gradient this pass (a held leaf's gradient: the sum its tensor hooks are for)."""
         due = []
-        for position, node in group.hooked_leaves:
-            if node not in self._hook_waiting:
-                continue  # most leaves: no post hook
-            self._hook_waiting[node] -= 1
+        waiting = self._hook_waiting
+        for position, ((node, _), leaf) in enumerate(zip(group.captures, group.capture_leaves)):
+            if not leaf or node not in waiting:
+                continue  # most leaves: no hooks
+            waiting[node] -= 1
             grad = results[position] if position < len(results) else None
             if grad is not None:
                 self._add(self._hook_grads, node, grad)
-            if self._hook_waiting[node] == 0 and (total := self._hook_grads.pop(node, None)) is not None:
-                due.append((self.plan.post_hooks[node], total))
+            if waiting[node] == 0 and (total := self._hook_grads.pop(node, None)) is not None:
+                due.append((node, self.plan.post_hooks.get(node) or {}, total))
         return due
 
     def _fire_recv(self, node: Any) -> None:
@@ -554,6 +581,7 @@ class Pass:
 
 
 _FINISHED = RpcError("finished")
+_NO_SUPPRESSION = contextlib.nullcontext()
 
 
 def _grad(outputs: tuple, grads: tuple, inputs: tuple, retain_graph: bool) -> tuple:

@@ -10,8 +10,9 @@ when they run; their ``backward`` is never where the RPC happens.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -120,6 +121,82 @@ def post_hooks_of(node: Any) -> dict | None:
 
 def _probe_hook(grad_inputs: Any, grad_outputs: Any) -> None:  # registered and removed at once, never run
     return None
+
+
+# ------------------------------------------------------------------ leaves' tensor hooks
+#
+# A leaf's tensor hooks (``leaf.register_hook``) run where PyTorch's engine captures the
+# gradient flowing into the leaf's AccumulateGrad node: once per ``torch.autograd.grad`` call.
+# A leaf that several groups of a pass feed would get them once per group, each on a part
+# of its gradient, where torch's engine runs them once, on the sum (a non-linear hook, say a
+# clamp, then gives another result, and a counting hook counts more calls). So the engine
+# keeps them from running inside its group calls for such leaves and runs them itself on
+# the pass's sum: the hooks in the leaf's hook dict are wrapped (once, in place: the user's
+# handles keep working) in a wrapper that does nothing while its dict is *suppressed* on the
+# calling thread, which is where PyTorch runs CPU nodes of a call.
+
+
+class _Suppressed(threading.local):
+    dicts: frozenset = frozenset()  # ids of the hook dicts whose hooks are held back here
+
+
+_suppressed = _Suppressed()
+
+
+class _SuppressibleHook:
+    """A leaf's tensor hook as the engine wraps it (see above); transparent elsewhere."""
+
+    __slots__ = ("hook", "owner")
+
+    def __init__(self, hook: Callable, owner: dict) -> None:
+        self.hook = hook
+        self.owner = id(owner)
+
+    def __call__(self, grad: torch.Tensor) -> Any:
+        if self.owner in _suppressed.dicts:
+            return None
+        return self.hook(grad)
+
+
+def tensor_hooks_of(node: Any) -> dict | None:
+    """The dict of the tensor hooks of the leaf whose AccumulateGrad ``node`` is, if it has
+    any (``Tensor._backward_hooks``; hooks registered later land in the same dict)."""
+    variable = getattr(node, "variable", None)
+    hooks = getattr(variable, "_backward_hooks", None) if variable is not None else None
+    return hooks if isinstance(hooks, dict) and hooks else None
+
+
+def make_suppressible(hooks: dict) -> None:
+    """Wrap the hooks of ``hooks`` not wrapped yet (each key keeps its place)."""
+    for key, hook in list(hooks.items()):
+        if type(hook) is not _SuppressibleHook:
+            hooks[key] = _SuppressibleHook(hook, hooks)
+
+
+@contextlib.contextmanager
+def suppressing(dicts: frozenset) -> Any:
+    """Hold back the wrapped hooks of the hook dicts ``dicts`` (ids) on this thread meanwhile."""
+    outer = _suppressed.dicts
+    _suppressed.dicts = outer | dicts
+    try:
+        yield
+    finally:
+        _suppressed.dicts = outer
+
+
+def run_tensor_hooks(hooks: dict, grad: torch.Tensor) -> torch.Tensor:
+    """Apply a leaf's tensor hooks to ``grad`` as PyTorch does: in order, each given what the
+    one before returned (None: unchanged)."""
+    for hook in tuple(hooks.values()):
+        function = hook.hook if type(hook) is _SuppressibleHook else hook
+        result = function(grad)
+        if result is not None:
+            if not isinstance(result, torch.Tensor) or result.shape != grad.shape:
+                # PyTorch's own check, with its wording
+                what = "type" if not isinstance(result, torch.Tensor) else "size"
+                raise RuntimeError(f"hook '{getattr(function, '__name__', function)}' has changed the {what} of value")
+            grad = result
+    return grad
 
 
 def make_send_node(tensors: list[torch.Tensor]) -> Any:
