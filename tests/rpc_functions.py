@@ -53,6 +53,10 @@ def nested_with_future_wait(target):
     return rpc.rpc_async(target, whoami).wait()
 
 
+def sum_of(x):
+    return x.sum()
+
+
 def add_tensors(x, y, alpha=1):
     return torch.add(x, y, alpha=alpha)
 

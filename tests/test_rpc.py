@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
 
 from . import rpc_functions as f
@@ -407,6 +408,59 @@ def test_rrefs_passed_to_owners_users_and_third_workers(group):
     # An RRef created on a worker comes back to us as a user RRef.
     back = rpc.rpc_sync("worker3", f.make_rref_here, args=("made on worker3",))
     assert not back.is_owner() and back.owner_name() == "worker3" and back.to_here() == "made on worker3"
+
+
+def test_owner_rref_backward(group):
+    """``RRef.backward`` on an owner RRef: a local pass without a context id, a distributed
+    one with it (ported from torch's rpc_test.py, errors included)."""
+    t1 = torch.rand(10, 10, requires_grad=True)
+    rref = rpc.RRef(t1.sum() + t1.sum())
+    rref.backward()
+    expected = torch.ones_like(t1) * 2
+    torch.testing.assert_close(t1.grad, expected)
+    with dist_autograd.context() as context_id:
+        t2 = rpc.rpc_sync("worker1", torch.add, args=(t1, t1))
+        rpc.RRef(t2.sum()).backward(context_id)
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t1], expected)
+    with dist_autograd.context() as context_id:  # two passes accumulate in the context
+        t2 = rpc.rpc_sync("worker1", torch.add, args=(t1, t1))
+        rref = rpc.RRef(t2.sum())
+        rref.backward(context_id, retain_graph=True)
+        rref.backward(context_id)
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t1], expected * 2)
+    torch.testing.assert_close(t1.grad, expected)  # distributed passes never touch .grad
+
+    with pytest.raises(RuntimeError, match="tensors does not require grad and does not have a grad_fn"):
+        rpc.RRef(torch.rand(10)).backward()
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        rpc.RRef(torch.rand(10, requires_grad=True)).backward()
+    with pytest.raises(RuntimeError, match="Could not find autograd context with id: 100"):
+        rpc.RRef(torch.rand(10, requires_grad=True).sum()).backward(100)
+    with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for .backward\(\)"):
+        rpc.RRef("foo").backward()
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        rpc.RRef(torch.rand(1, requires_grad=True).sum()).backward("1")
+
+
+def test_user_rref_backward(group):
+    """``RRef.backward`` on a user RRef runs the pass on the owner, which originates it; the
+    gradients reach the caller's context (ported from torch's rpc_test.py)."""
+    t = torch.rand(10, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        rref = rpc.remote("worker2", f.sum_of, args=(t,))
+        rref.backward(context_id, retain_graph=True)
+        rref.backward(context_id)
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[t], torch.ones_like(t) * 2)
+    with dist_autograd.context() as context_id:
+        rref = rpc.remote("worker2", f.echo, args=("foo",))
+        with pytest.raises(RuntimeError, match=r"RRef should contain a tensor for .backward\(\)"):
+            rref.backward(context_id)
+        with pytest.raises(RuntimeError, match="User RRefs require 'dist_autograd_ctx_id' to be specified"):
+            rref.backward()
+    with dist_autograd.context() as context_id:  # a remote() that failed: its error, from the owner
+        rref = rpc.remote("worker3", f.raise_value_error, args=("no value to differentiate",))
+        with pytest.raises(ValueError, match="no value to differentiate"):
+            rref.backward(context_id)
 
 
 def _settle_everyone(group) -> None:

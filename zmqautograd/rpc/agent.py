@@ -59,6 +59,7 @@ REQUEST_TYPES = {
     MessageType.FORWARD_AUTOGRAD_REQ: MessageType.FORWARD_AUTOGRAD_RESP,
     MessageType.BACKWARD_AUTOGRAD_REQ: MessageType.BACKWARD_AUTOGRAD_RESP,
     MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ: MessageType.CLEANUP_AUTOGRAD_CONTEXT_RESP,
+    MessageType.RREF_BACKWARD_REQ: MessageType.RREF_BACKWARD_RESP,
 }
 RESPONSE_TYPES = frozenset({*REQUEST_TYPES.values(), MessageType.EXCEPTION})
 # Control messages whose receivers are idempotent: retried with backoff when they fail.

@@ -331,6 +331,26 @@ class RRef:
         self._confirmed.set()
         return value
 
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """A backward pass with the value (a scalar tensor) as its root, run on the owner: a
+        distributed one in autograd context ``dist_autograd_ctx_id`` (the gradients go to that
+        context: ``get_gradients``), or without one a local ``torch.autograd.backward``, which
+        only the owner may ask for. Returns when the pass is done; its errors raise here."""
+        if type(dist_autograd_ctx_id) is not int or type(retain_graph) is not bool:
+            raise TypeError(
+                "backward(): incompatible function arguments: expected (dist_autograd_ctx_id: int = -1, "
+                f"retain_graph: bool = False), got ({dist_autograd_ctx_id!r:.40}, {retain_graph!r:.40})"
+            )
+        if self.is_owner():
+            _backward_value(self.local_value(), dist_autograd_ctx_id, retain_graph)
+            return
+        if dist_autograd_ctx_id == -1:
+            raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+        self._check_created()
+        self._context.agent.call_sync(self.owner_id, _backward_on_owner,
+                                      (list(self.rref_id), dist_autograd_ctx_id, retain_graph), None, -1.0,
+                                      message_type=MessageType.RREF_BACKWARD_REQ)
+
     def rpc_sync(self, timeout: float = -1.0) -> "_Proxy":
         """``rref.rpc_sync().method(*args)`` runs ``method`` on the value, on its owner."""
         from . import api
@@ -425,6 +445,28 @@ def _child_accept(fork_id: list) -> None:
 
 def _delete_fork(rref_id: list, fork_id: list) -> None:
     _context().delete_fork(tuple(rref_id), tuple(fork_id))
+
+
+def _backward_on_owner(rref_id: list, context_id: int, retain_graph: bool) -> None:
+    """On the owner, for a user's ``RRef.backward``: once the value is there (a remote() may
+    still be running), the pass starts here, so this worker is its originator."""
+    context = _context()
+    value = context.owner_value(tuple(rref_id))
+    if not value.done():
+        with context.agent.pool.blocking():  # the call that makes the value may need a thread
+            value.wait()
+    _backward_value(value.wait(), context_id, retain_graph)
+
+
+def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("RRef should contain a tensor for .backward()")
+    if context_id == -1:
+        torch.autograd.backward(value, retain_graph=retain_graph)
+        return
+    from ..autograd import api as dist_autograd  # the autograd layer builds on this one
+
+    dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
 def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> Any:
