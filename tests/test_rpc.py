@@ -38,6 +38,18 @@ def test_builtin_calls_to_every_worker_by_name_id_and_info(group):
     assert rpc.get_worker_info() == rpc.get_worker_info("worker0")
 
 
+def test_get_worker_infos(group):
+    """torch's ``test_get_worker_infos``, and the agent's other lookups."""
+    agent = rpc._get_current_rpc_agent()
+    infos = agent.get_worker_infos()
+    assert {info.name for info in infos} == set(group.names)
+    assert [info.id for info in infos] == list(range(len(group.names)))
+    assert agent.get_worker_info() == rpc.get_worker_info() and agent.get_worker_info("worker2").id == 2
+    debug = agent.get_debug_info()
+    assert debug["world_size"] == str(len(group.names)) and all(isinstance(v, str) for v in debug.values())
+    assert rpc.is_available() and dist_autograd.is_available()
+
+
 def test_python_udf_kwargs_and_structures(group):
     assert rpc.rpc_sync("worker1", f.my_function, args=(1, 2, 3)) == 6
     assert rpc.rpc_sync("worker1", f.my_function, kwargs={"a": 1, "b": 2, "c": 3}) == 6
@@ -271,10 +283,13 @@ def test_calling_before_init_rpc_is_a_clear_error():
 
 
 def _call_uninitialized(results):
-    try:
-        rpc.rpc_sync("w1", f.whoami)
-    except RuntimeError as exc:
-        results.put(str(exc))
+    messages = []
+    for call in (lambda: rpc.rpc_sync("w1", f.whoami), rpc._get_current_rpc_agent):
+        try:
+            call()
+        except RuntimeError as exc:
+            messages.append(str(exc))
+    results.put(messages[0] if len(messages) == 2 and messages[0] == messages[1] else f"not both refused: {messages}")
 
 
 def test_pickle_can_be_refused():

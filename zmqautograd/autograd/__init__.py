@@ -18,8 +18,14 @@ from .api import (
 )
 from .context import DistAutogradContext
 
+
+def is_available() -> bool:
+    """Whether distributed autograd can be used in this build (always: it is pure Python)."""
+    return True
+
+
 __all__ = [
-    "context", "backward", "get_gradients", "DistAutogradContext",
+    "context", "backward", "get_gradients", "DistAutogradContext", "is_available",
     "_new_context", "_release_context", "_retrieve_context", "_current_context", "_is_valid_context",
     "_get_max_id", "_get_debug_info",
 ]

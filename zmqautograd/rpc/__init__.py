@@ -7,11 +7,13 @@ Port code by changing ``import torch.distributed.rpc as rpc`` to
 from . import functions
 from .agent import WorkerInfo
 from .api import (
+    _get_current_rpc_agent,
     _get_rpc_timeout,
     _is_initialized,
     _set_rpc_timeout,
     get_worker_info,
     init_rpc,
+    is_available,
     remote,
     rpc_async,
     rpc_sync,
@@ -23,7 +25,7 @@ from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOp
 
 __all__ = [
     "functions", "WorkerInfo", "get_worker_info", "init_rpc", "remote", "RRef", "rpc_async", "rpc_sync", "shutdown",
-    "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized",
+    "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized", "_get_current_rpc_agent", "is_available",
     "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
     "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",
 ]

@@ -293,6 +293,24 @@ class Agent:
             return info
         raise TypeError(f"'to' must be a worker name, id or WorkerInfo, got {type(to).__qualname__}")
 
+    def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
+        """As torch's agents: this worker's info, or the named worker's."""
+        return self.info if worker_name is None else self.worker_info(worker_name)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        """Every worker of the group, by id (torch's ``RpcAgent.get_worker_infos``)."""
+        return [self.workers_by_id[rank] for rank in sorted(self.workers_by_id)]
+
+    def get_debug_info(self) -> dict[str, str]:
+        """Counters of this agent, as strings (the keys of torch's agents where they apply)."""
+        return {
+            "num_pending_requests": str(self.outstanding()),
+            "thread_pool_size": str(self.pool.thread_count),
+            "num_worker_threads": str(self.pool.size),
+            "world_size": str(len(self.workers)),
+            "rpc_timeout_sec": str(self.default_timeout),
+        }
+
     # --------------------------------------------------------------------------- calling
 
     def call(

@@ -159,6 +159,17 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
     return rref
 
 
+def _get_current_rpc_agent() -> Any:
+    """The agent of this process (``get_worker_infos()``, ``get_worker_info(name)``,
+    ``get_debug_info()``, as torch's); a clear error before ``init_rpc``."""
+    return _current()
+
+
+def is_available() -> bool:
+    """Whether RPC can be used in this build (always: it is pure Python)."""
+    return True
+
+
 def _set_rpc_timeout(rpc_timeout: float) -> None:
     _current().default_timeout = float(rpc_timeout)
 
