@@ -7,10 +7,13 @@ times, above 1 for throughput).
 
 Sharing processes flatters zmqautograd: TensorPipe's same-host transport keeps a thread per
 process busy-polling all the time, which keeps the CPUs awake for zmqautograd's threads too
-(docs/transport.md, "Busy polling"). So a second table measures small calls, a one-hop
-backward and a compute-bound call with each framework alone in its own pair of processes
-(set to one intra-op thread each), the groups alternating round by round: TensorPipe,
-zmqautograd, and zmqautograd with the opt-in ``busy_poll``.
+(docs/transport.md, "Busy polling"). So a second table measures small calls, 64 calls in
+flight, a one-hop backward and a compute-bound call with each framework alone in its own pair
+of processes (set to one intra-op thread each), the groups alternating round by round:
+TensorPipe, zmqautograd, zmqautograd with the opt-in ``busy_poll``, and the *floor* of a
+pure-Python design (tools/floor.py: raw pyzmq and zmqautograd's codec, one thread a side, no
+RPC layer), whose throughput says how far beyond TensorPipe's such a design can get at all on
+this machine.
 
 The last column of each table is the share of the machine's CPU time the hypervisor stole
 while that row was measured (tools/machine.py): on a shared VM, the slow runs are the runs
@@ -39,6 +42,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import zmqautograd.autograd as zmq_autograd  # noqa: E402
 import zmqautograd.rpc as zmq_rpc  # noqa: E402
+from tools import floor  # noqa: E402
 from tools.machine import StealMeter, percent  # noqa: E402
 
 WORLD = 4
@@ -161,7 +165,14 @@ STANDALONE = {  # name -> (framework, zmqautograd's busy_poll)
     "TensorPipe": ("tp", 0.0),
     "zmqautograd": ("zmq", 0.0),
     f"zmqautograd, busy_poll={BUSY_POLL}": ("zmq", BUSY_POLL),
+    # No RPC layer at all: what any pure-Python design over ZeroMQ pays per call (tools/floor.py).
+    "floor: raw pyzmq + our codec": ("floor", 0.0),
 }
+# (title, "time" or "rate") of the standalone table's columns, in run_alone's order.
+STANDALONE_COLUMNS = (
+    ("rpc_sync small", "time"), ("rpc_async, 64 in flight", "rate"), ("one hop fwd+bwd", "time"),
+    ("compute-bound call", "time"),
+)
 
 
 def compute_call(rpc, per_round: int) -> float:
@@ -177,6 +188,9 @@ def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -
     that run a process per worker often are): rank 0 measures and puts its medians on
     ``results``."""
     torch.set_num_threads(1)
+    if framework == "floor":
+        _floor_alone(rank, port, results)
+        return
     if framework == "tp":
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
@@ -188,14 +202,32 @@ def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     if rank == 0:
         small_latency(rpc, 50)  # warm-up
+        async_throughput(rpc, 2)
         one_hop_backward(rpc, autograd, 20)
         compute_call(rpc, 5)
         results.put(tuple(
             statistics.median(measure() for _ in range(5))
-            for measure in (lambda: small_latency(rpc, 200), lambda: one_hop_backward(rpc, autograd, 50),
-                            lambda: compute_call(rpc, 20))
+            for measure in (lambda: small_latency(rpc, 200), lambda: async_throughput(rpc, 10),
+                            lambda: one_hop_backward(rpc, autograd, 50), lambda: compute_call(rpc, 20))
         ))
     rpc.shutdown()
+
+
+def _floor_alone(rank: int, port: int, results) -> None:
+    """run_alone for the floor: rank 1 serves, rank 0 measures its throughput. Not its
+    latency: a thread that blocks in libzmq's receive is no floor for that (it took
+    600-680 us where zmqautograd's rpc_sync, whose waiting thread receives for itself,
+    took ~550); tools/bench_transport.py's raw ping-pong is."""
+    if rank == 1:
+        floor.serve(port)
+        return
+    client = floor.Client(port)
+    try:
+        small_latency(client, 50)  # warm-up (the connection too)
+        client.throughput(2)
+        results.put((None, statistics.median(client.throughput(10) for _ in range(5)), None, None))
+    finally:
+        client.close()
 
 
 def standalone(rounds: int) -> None:
@@ -208,15 +240,19 @@ def standalone(rounds: int) -> None:
             mp.spawn(run_alone, args=(framework, busy_poll, _free_port(), results), nprocs=2)
             samples[name].append(results.get())
             stolen[name].append(steal.share())
-    print(f"\neach framework alone, 2 processes, torch.set_num_threads(1) ({rounds} alternating rounds)", flush=True)
-    columns = ("rpc_sync small", "one hop fwd+bwd", "compute-bound call")
-    print(f"{'':<34}" + "".join(f"{c:>20}" for c in columns) + f"{'stolen':>9}", flush=True)
-    tp = [statistics.median(v[i] for v in samples["TensorPipe"]) for i in range(len(columns))]
+    print(f"\neach framework alone, 2 processes, torch.set_num_threads(1) ({rounds} alternating rounds;"
+          " ratios to TensorPipe: times, and calls/s for the rpc_async column)", flush=True)
+    print(f"{'':<34}" + "".join(f"{title:>24}" for title, _ in STANDALONE_COLUMNS) + f"{'stolen':>9}", flush=True)
+    tp = [statistics.median(v[i] for v in samples["TensorPipe"]) for i in range(len(STANDALONE_COLUMNS))]
     for name, values in samples.items():
         cells = []
-        for i in range(len(columns)):
+        for i, (_, kind) in enumerate(STANDALONE_COLUMNS):
+            if values[0][i] is None:  # the floor measures throughput only (_floor_alone)
+                cells.append(f"{'-':>24}")
+                continue
             median = statistics.median(v[i] for v in values)
-            cells.append(f"{median * 1e6:>11.0f} us {median / tp[i]:>5.2f}x")
+            shown = f"{median * 1e6:>11.0f} us" if kind == "time" else f"{median:>8.0f} calls/s"
+            cells.append(f"{shown:>17} {median / tp[i]:>5.2f}x")
         shares = [share for share in stolen[name] if share is not None]
         median_share = statistics.median(shares) if shares else None
         print(f"{name:<34}" + "".join(cells) + f"{percent(median_share):>9}", flush=True)

@@ -1,0 +1,95 @@
+"""The floor of a pure-Python RPC design on this machine: raw pyzmq with zmqautograd's codec.
+
+No agent, no pool, no futures, no socket lock: one thread on each side, a DEALER that sends a
+call encoded exactly as ``rpc_sync`` encodes it (function reference, argument tuple, tensor
+frame) and a ROUTER that decodes it, runs the function and sends the encoded answer back.
+What is left is what every call of a Python RPC layer over ZeroMQ must pay: encoding and
+decoding with msgpack in Python, and libzmq's send and receive (with its own I/O thread on
+each side). ``tools/bench.py`` measures its throughput in the standalone table, so that the
+RPC layer's overhead over this floor, and TensorPipe's figures against it, are measured in one
+run. (Not its latency: one thread blocking in libzmq's receive is slower than zmqautograd's
+``rpc_sync``, whose waiting thread receives for itself; ``tools/bench_transport.py``'s raw
+ping-pong is the floor there.)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from transport import Message, MessageType
+from zmqautograd.rpc.serialization import RpcCodec, encode_function, resolve_function
+
+_STOP = "stop"
+
+
+def serve(port: int) -> None:
+    """Answer calls on ``tcp://127.0.0.1:port`` until told to stop (on the calling thread)."""
+    codec = RpcCodec(allow_pickle=False)
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        while True:
+            frames = router.recv_multipart(copy=False)
+            envelope = codec.decode_envelope(frames[1:])
+            payload = codec.decode_payload(envelope)
+            if payload == _STOP:
+                router.send_multipart([frames[0], *codec.encode(Message(MessageType.PYTHON_RET, envelope.id, "1", {"v": None}))])
+                return
+            value = resolve_function(payload["f"])(*payload["a"], **payload["k"])
+            answer = Message(MessageType.PYTHON_RET, envelope.id, "1", {"v": value})
+            router.send_multipart([frames[0], *codec.encode(answer)])
+    finally:
+        router.close(linger=0)
+        context.term()
+
+
+class Client:
+    """The calling side: ``rpc_sync`` and a batch of calls in flight, as the RPC benchmarks
+    make them."""
+
+    def __init__(self, port: int) -> None:
+        self._codec = RpcCodec(allow_pickle=False)
+        self._context = zmq.Context()
+        self._dealer = self._context.socket(zmq.DEALER)
+        self._dealer.connect(f"tcp://127.0.0.1:{port}")
+        self._ids = 0
+
+    def _send(self, function: Any, args: tuple) -> None:
+        self._ids += 1
+        payload = {"f": encode_function(function), "a": tuple(args), "k": {}}
+        self._dealer.send_multipart(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", payload)))
+
+    def _receive(self) -> Any:
+        envelope = self._codec.decode_envelope(self._dealer.recv_multipart(copy=False))
+        return self._codec.decode_payload(envelope)["v"]
+
+    def rpc_sync(self, to: str, function: Any, args: tuple = ()) -> Any:
+        self._send(function, args)
+        return self._receive()
+
+    def throughput(self, batches: int, in_flight: int = 64) -> float:
+        """Calls per second, ``in_flight`` sent before their answers are read (as the RPC
+        benchmark's ``wait_all`` over 64 ``rpc_async`` calls)."""
+        x = torch.zeros(2)
+        start = time.perf_counter()
+        for _ in range(batches):
+            for _ in range(in_flight):
+                self._send(torch.add, (x, 1))
+            for _ in range(in_flight):
+                self._receive()
+        return batches * in_flight / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._stop()
+        self._dealer.close(linger=0)
+        self._context.term()
+
+    def _stop(self) -> None:
+        self._ids += 1
+        self._dealer.send_multipart(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", _STOP)))
+        self._receive()
