@@ -128,6 +128,33 @@ def test_residual_across_root_sets_runs_stepwise_correctly(group):
         assert af.take_counts() == {"g": 1}
 
 
+def test_chained_exits_into_a_leaf_run_stepwise_with_the_leafs_hooks(group):
+    """As above, with the leaf itself sent next to g = f(leaf): the stepwise group captures
+    the leaf's edge, and the leaf's tensor hook runs once, on its whole gradient (and a leaf
+    without hooks works too)."""
+    seen = []
+    hooked = torch.randn(3, 3, requires_grad=True)
+    hooked.register_hook(lambda grad: seen.append(grad.clone()) or grad * 3)
+    plain = torch.randn(3, 3, requires_grad=True)
+
+    def forward(a, run):
+        g = af.Counted.apply(a.sin(), "g")
+        y = run("worker1", torch.add, (g, a))
+        c = run("worker2", torch.cos, (g,))
+        return y.pow(2).sum() + c.sum()
+
+    for a in (plain, hooked):
+        forward(a, lambda _, f, args: f(*args)).backward()
+        assert af.take_counts() == {"g": 1}
+        with dist_autograd.context() as context_id:
+            loss = forward(a, lambda to, f, args: rpc.rpc_sync(to, f, args=args))
+            dist_autograd.backward(context_id, [loss])
+            torch.testing.assert_close(dist_autograd.get_gradients(context_id)[a], a.grad)
+            assert af.take_counts() == {"g": 1}
+    assert len(seen) == 2
+    torch.testing.assert_close(seen[1], seen[0])
+
+
 def test_a_pass_waiting_for_gradients_that_never_come_fails_after_the_rpc_timeout(group):
     """FAST mode: a send function whose result was never used keeps the pass waiting (torch
     waits for ever; test_backward_unused_send_function checks it still waits after 10 s).

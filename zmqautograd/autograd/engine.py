@@ -55,8 +55,8 @@ from .. import timers
 from ..rpc.errors import RpcError
 from .context import DistAutogradContext, add_gradients
 from .functions import (
-    RecvInfo, is_leaf_node, is_recv_node, make_suppressible, post_hooks_of, profiled, recv_info, run_tensor_hooks,
-    suppressing, tensor_hooks_of,
+    RecvInfo, call_tensor_hooks, is_leaf_node, is_recv_node, make_suppressible, post_hooks_of, profiled, recv_info,
+    run_tensor_hooks, suppressing, tensor_hooks_of,
 )
 
 log = logging.getLogger(__name__)
@@ -622,11 +622,18 @@ def _run_stepwise(group: _Group, entries: dict) -> tuple:
             if target in members:
                 Pass._add(inputs.setdefault(target, {}), slot, grad)
             else:
-                if is_leaf_node(target):
-                    for hook in getattr(target.variable, "_backward_hooks", {}).values():
-                        changed = hook(grad)
-                        grad = grad if changed is None else changed
                 Pass._add(captured, (target, slot), grad)
+    leaf_hooks = [
+        (target, hooks) for (target, _), leaf in zip(group.captures, group.capture_leaves)
+        if leaf and (hooks := tensor_hooks_of(target)) is not None
+    ]
+    if leaf_hooks:
+        # The leaves' tensor hooks, as PyTorch runs them where a call captures an edge: once,
+        # on what the group gave the leaf (those the pass holds back do nothing here).
+        for target, hooks in leaf_hooks:
+            edge = (target, 0)
+            if captured.get(edge) is not None:
+                captured[edge] = call_tensor_hooks(hooks.values(), captured[edge])
     return tuple(captured.get(edge) for edge in group.captures)
 
 

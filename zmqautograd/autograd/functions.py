@@ -185,16 +185,20 @@ def suppressing(dicts: frozenset) -> Any:
 
 
 def run_tensor_hooks(hooks: dict, grad: torch.Tensor) -> torch.Tensor:
-    """Apply a leaf's tensor hooks to ``grad`` as PyTorch does: in order, each given what the
-    one before returned (None: unchanged)."""
-    for hook in tuple(hooks.values()):
-        function = hook.hook if type(hook) is _SuppressibleHook else hook
-        result = function(grad)
+    """A held leaf's tensor hooks on the pass's sum: the hooks themselves, not held back."""
+    return call_tensor_hooks([hook.hook if type(hook) is _SuppressibleHook else hook for hook in hooks.values()], grad)
+
+
+def call_tensor_hooks(hooks: Any, grad: torch.Tensor) -> torch.Tensor:
+    """Apply tensor hooks to ``grad`` as PyTorch does: in order, each given what the one
+    before returned (None: unchanged)."""
+    for hook in tuple(hooks):
+        result = hook(grad)
         if result is not None:
             if not isinstance(result, torch.Tensor) or result.shape != grad.shape:
                 # PyTorch's own check, with its wording
                 what = "type" if not isinstance(result, torch.Tensor) else "size"
-                raise RuntimeError(f"hook '{getattr(function, '__name__', function)}' has changed the {what} of value")
+                raise RuntimeError(f"hook '{getattr(hook, '__name__', hook)}' has changed the {what} of value")
             grad = result
     return grad
 
