@@ -96,26 +96,26 @@ class Plan:
         self.root_keys = list(roots)
         self.root_bits = {key: 1 << i for i, key in enumerate(self.root_keys)}
         self.roots = roots
-        nodes, successors = _discover(roots)
+        nodes, successors, leaves = _discover(roots)
         masks = self._masks(nodes, successors)
         self.group_of: dict[Any, int] = {}
         self.groups: list[_Group] = []
+        self.exits: dict[Any, _Exit] = {}
         by_mask: dict[int, _Group] = {}
         for node in nodes:
-            if _is_exit(node):
+            if successors[node] is _EXIT:
+                self.exits[node] = _Exit(node)
                 continue
-            group = by_mask.get(masks[node])
+            mask = masks[node]
+            group = by_mask.get(mask)
             if group is None:
-                group = by_mask[masks[node]] = _Group(len(self.groups), masks[node], [])
+                group = by_mask[mask] = _Group(len(self.groups), mask, [])
                 self.groups.append(group)
             group.nodes.append(node)
             self.group_of[node] = group.index
-        self.exits: dict[Any, _Exit] = {n: _Exit(n) for n in nodes if _is_exit(n)}
         # The dicts of the leaves' Python post hooks (functions.post_hooks_of): the engine
         # runs them once per pass, with the leaf's whole gradient of the pass.
-        self.post_hooks = {
-            node: hooks for node in self.exits if is_leaf_node(node) and (hooks := post_hooks_of(node)) is not None
-        }
+        self.post_hooks = {node: hooks for node in leaves if (hooks := post_hooks_of(node)) is not None}
         for group in self.groups:
             seen = set()
             for node in group.nodes:
@@ -137,16 +137,16 @@ class Plan:
         for group in self.groups:
             group.stepwise = _chained(group, successors)
             group.feeds = [other.index for other in self.groups if group.index in other.feeders]
-            group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if is_recv_node(t)))
+            group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if t in self.exits and t not in leaves))
             group.capture_edges = tuple(GradientEdge(node, slot) for node, slot in group.captures)
-            group.capture_leaves = tuple(is_leaf_node(node) for node, _ in group.captures)
+            group.capture_leaves = tuple(node in leaves for node, _ in group.captures)
         # Leaves that several groups feed: their tensor hooks must not run in each group's
         # call (see Pass._held_leaves).
-        self.shared_leaves = [node for node, e in self.exits.items() if is_leaf_node(node) and len(e.feeders) > 1]
+        self.shared_leaves = [node for node in leaves if len(self.exits[node].feeders) > 1]
         # Per root: the recv functions its own edges point at (they wait for its delivery).
+        recvs = [(node, e) for node, e in self.exits.items() if node not in leaves]
         self.direct_exits = {
-            key: [node for node, e in self.exits.items() if e.direct_roots & bit and is_recv_node(node)]
-            for key, bit in self.root_bits.items()
+            key: [node for node, e in recvs if e.direct_roots & bit] for key, bit in self.root_bits.items()
         }
 
     def _masks(self, nodes: list, successors: dict) -> dict[Any, int]:
@@ -155,7 +155,7 @@ class Plan:
             for node, _ in edges:
                 masks[node] |= self.root_bits[key]
         for node in nodes:  # topological order
-            for target, _ in successors.get(node, ()):
+            for target, _ in successors[node]:
                 masks[target] |= masks[node]
         return masks
 
@@ -164,11 +164,16 @@ def _is_exit(node: Any) -> bool:
     return is_leaf_node(node) or is_recv_node(node)
 
 
-def _discover(roots: dict[Any, list[Edge]]) -> tuple[list, dict]:
-    """All nodes reachable from the roots in topological order (parents first), and each
-    non-exit node's outgoing edges. Leaves and recv functions end the walk."""
+_EXIT: list = []  # the successors of an exit (leaves and recv functions end the walk); never mutated
+
+
+def _discover(roots: dict[Any, list[Edge]]) -> tuple[list, dict, set]:
+    """All nodes reachable from the roots in topological order (parents first), each node's
+    outgoing edges (``_EXIT`` for an exit: leaves and recv functions end the walk), and the
+    set of leaves (AccumulateGrad nodes) among them."""
     successors: dict[Any, list[Edge]] = {}
     indegree: dict[Any, int] = {}
+    leaves: set = set()
     stack = [node for edges in roots.values() for node, _ in edges]
     for node in stack:
         indegree.setdefault(node, 0)
@@ -176,7 +181,14 @@ def _discover(roots: dict[Any, list[Edge]]) -> tuple[list, dict]:
         node = stack.pop()
         if node in successors:
             continue
-        edges = [] if _is_exit(node) else [(n, slot) for n, slot in node.next_functions if n is not None]
+        if is_leaf_node(node):
+            leaves.add(node)
+            successors[node] = _EXIT
+            continue
+        if is_recv_node(node):
+            successors[node] = _EXIT
+            continue
+        edges = [(n, slot) for n, slot in node.next_functions if n is not None]
         successors[node] = edges
         for target, _ in edges:
             if target not in indegree:
@@ -195,7 +207,7 @@ def _discover(roots: dict[Any, list[Edge]]) -> tuple[list, dict]:
             indegree[target] -= 1
             if indegree[target] == 0:
                 ready.append(target)
-    return order, successors
+    return order, successors, leaves
 
 
 def _chained(group: _Group, successors: dict) -> bool:

@@ -92,7 +92,12 @@ def is_recv_node(node: Any) -> bool:
     return type(node) is RECV_NODE_TYPE
 
 
+_ACCUMULATE_GRAD_TYPE = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", None)
+
+
 def is_leaf_node(node: Any) -> bool:
+    if _ACCUMULATE_GRAD_TYPE is not None:
+        return type(node) is _ACCUMULATE_GRAD_TYPE
     return type(node).__name__ == "AccumulateGrad"
 
 
