@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -20,10 +19,10 @@ _SEND_NAME = "torch::distributed::autograd::SendRpcBackward"
 _RECV_NAME = "torch::distributed::autograd::RecvRpcBackward"
 
 
-@dataclass(frozen=True)
-class RecvInfo:
+class RecvInfo(NamedTuple):
     """Where the gradients of a recv function go: the worker that sent the tensors, and the
-    autograd ids under which it recorded the matching send function."""
+    autograd ids under which it recorded the matching send function. (A named tuple: one is
+    made for every recorded message, and a frozen dataclass takes several times as long.)"""
 
     context_id: int
     message_id: int
@@ -208,11 +207,23 @@ def call_tensor_hooks(hooks: Any, grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+# ``Function.apply`` without its Python wrapper, which handles functorch transforms and
+# ``setup_context`` (neither applies to these functions) and costs ~3 us a call: the C++
+# apply, bound to each class. Used unless a functorch transform is active.
+_send_apply = super(torch.autograd.Function, SendRpc).apply
+_recv_apply = super(torch.autograd.Function, RecvRpc).apply
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: True)
+# The input that makes a recv function's outputs require grad. One for all of them: the
+# engine stops at recv functions, and a local backward gives it no gradient (RecvRpc.backward).
+with torch.inference_mode(False):  # a normal tensor even if we are imported in inference mode
+    _ANCHOR = torch.empty(0, requires_grad=True)
+
+
 def make_send_node(tensors: list[torch.Tensor]) -> Any:
     """A SendRpcBackward node whose next functions are the edges of ``tensors`` (which all
     require grad)."""
     with torch.enable_grad():
-        outputs = SendRpc.apply(*tensors)
+        outputs = SendRpc.apply(*tensors) if _functorch_active() else _send_apply(*tensors)
     return outputs[0].grad_fn
 
 
@@ -225,9 +236,8 @@ def attach_recv_node(
     metadata = tuple((t.shape, t.dtype, t.device, t.layout) for t in tensors)
     info = RecvInfo(context_id, message_id, from_worker, metadata, in_response)
     plain = [t.detach() for t in tensors]
-    anchor = torch.empty(0, requires_grad=True)
     with torch.enable_grad():
-        outputs = RecvRpc.apply(anchor, info, *plain)
+        outputs = RecvRpc.apply(_ANCHOR, info, *plain) if _functorch_active() else _recv_apply(_ANCHOR, info, *plain)
     for received, output in zip(tensors, outputs):
         torch.utils.swap_tensors(received, output)
     return tensors[0].grad_fn
