@@ -6,7 +6,7 @@ call encoded exactly as ``rpc_sync`` encodes it (function reference, argument tu
 frame) and a ROUTER that decodes it, runs the function and sends the encoded answer back.
 What is left is what every call of such a layer must pay: encoding and decoding with msgpack
 in Python, and libzmq's send and receive (with its own I/O thread on each side). A design that
-packed many calls into one message, or a faster codec, would have a lower floor. ``tools/bench.py`` measures its throughput in the standalone table, so that the
+packed many calls into one message, or a faster codec, could go beyond it. ``tools/bench.py`` measures its throughput in the standalone table, so that the
 RPC layer's overhead over this floor, and TensorPipe's figures against it, are measured in one
 run. (Not its latency: one thread blocking in libzmq's receive is slower than zmqautograd's
 ``rpc_sync``, whose waiting thread receives for itself; ``tools/bench_transport.py``'s raw
