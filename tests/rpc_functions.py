@@ -97,6 +97,33 @@ class AsyncHolder:
         return future
 
 
+class AsyncExecutionClass:
+    """torch's rpc_test.AsyncExecutionClass: async_execution static, class and bound methods."""
+
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_async_add(to, x, y, z):
+        return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_async_add(cls, to, x, y, z):
+        result = torch.futures.Future()
+        rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: result.set_result(fut.wait() + z))
+        return result
+
+    @rpc.functions.async_execution
+    def bound_async_add(self, to, x, y, z):
+        return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+    @rpc.functions.async_execution
+    def not_a_future(self):
+        return 42
+
+    def plain(self, value):
+        return value * 2
+
+
 def pool_thread_count():
     from zmqautograd.rpc import api
 

@@ -380,6 +380,35 @@ def test_async_execution_holds_no_thread_while_waiting(group):
     assert rpc.rpc_sync("worker2", f.AsyncHolder.static_async, args=(5,)) == 15
 
 
+def test_remote_of_async_functions_keeps_what_their_future_completes_with(group):
+    """torch's test_async_function_*_remote: the RRef's value is the future's result, and no
+    thread waits for it on the owner; a failure inside the future reaches to_here."""
+    rref = rpc.remote("worker1", f.async_add_after, args=("worker2", 0.2, 5))
+    assert rref.to_here() == 6
+    x, y = torch.ones(2, 2), torch.ones(2, 2) + 1
+    assert torch.equal(rpc.remote("worker2", f.AsyncExecutionClass.static_async_add, args=("worker3", x, x, y)).to_here(), 4 * x)
+    with pytest.raises(ValueError, match="inside the future"):
+        rpc.remote("worker1", f.async_raises, args=("worker3",)).to_here()
+    with pytest.raises(TypeError, match="is marked async_execution but returned int"):
+        rpc.remote("worker3", f.AsyncExecutionClass().not_a_future).to_here()
+
+
+def test_async_methods_through_rref_proxies(group):
+    """torch's test_async_class_rref_proxy (sync, async and remote): a proxy to a method marked
+    async_execution is answered when the method's future completes."""
+    rref = rpc.remote("worker1", f.AsyncExecutionClass)
+    x, y = torch.ones(2, 2), torch.ones(2, 2) + 1
+    for proxy, get in ((rref.rpc_sync, lambda r: r), (rref.rpc_async, lambda r: r.wait()),
+                       (rref.remote, lambda r: r.to_here())):
+        total = get(proxy().static_async_add("worker2", x, x, y))
+        total = total + get(proxy().class_async_add("worker2", x, x, y))
+        total = total + get(proxy().bound_async_add("worker2", x, x, y))
+        assert torch.equal(total, 3 * 4 * x)
+        assert get(proxy().plain(21)) == 42  # plain methods as before
+    with pytest.raises(TypeError, match="is marked async_execution but returned int"):
+        rref.rpc_sync().not_a_future()
+
+
 # ----------------------------------------------------------------------------------- RRef
 
 

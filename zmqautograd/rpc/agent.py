@@ -29,6 +29,7 @@ from transport.tensors import adopt_torch_thread_settings
 from transport.waiter import Waiter
 
 from . import current
+from .functions import check_async_result, is_async_function
 from .errors import RpcError, RpcTimeoutError, SerializationError
 from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
@@ -579,12 +580,8 @@ class Agent:
                 result = function(*payload["a"], **payload["k"])
             finally:
                 self.autograd.set_current(previous)
-            if getattr(function, "_wrapped_async_rpc_function", None) is not None:
-                if not isinstance(result, torch._C.Future):  # .then() returns the C++ base class
-                    raise TypeError(
-                        f"{getattr(function, '__qualname__', function)} is marked async_execution but returned "
-                        f"{type(result).__qualname__}, not a torch.futures.Future"
-                    )
+            if is_async_function(function):
+                check_async_result(function, result)
                 # Answer when the future completes; no thread waits for it meanwhile.
                 result.add_done_callback(lambda done: self._answer_with(message, done, context))
                 return

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable
+
+import torch
 
 
 def async_execution(fn: Callable) -> Callable:
@@ -18,3 +20,18 @@ def async_execution(fn: Callable) -> Callable:
 
     wrapper._wrapped_async_rpc_function = fn  # torch's marker
     return wrapper
+
+
+def is_async_function(function: Any) -> bool:
+    """Whether ``function`` is marked ``async_execution`` (torch's marker; bound methods and
+    static or class methods of marked functions are too)."""
+    return getattr(function, "_wrapped_async_rpc_function", None) is not None
+
+
+def check_async_result(function: Any, result: Any) -> None:
+    """A function marked ``async_execution`` must return a future; raise TypeError if not."""
+    if not isinstance(result, torch._C.Future):  # .then() returns the C++ base class
+        raise TypeError(
+            f"{getattr(function, '__qualname__', function)} is marked async_execution but returned "
+            f"{type(result).__qualname__}, not a torch.futures.Future"
+        )

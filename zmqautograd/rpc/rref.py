@@ -34,6 +34,7 @@ import torch
 from transport import MessageType
 
 from . import current
+from .functions import check_async_result, is_async_function
 
 log = logging.getLogger(__name__)
 
@@ -418,14 +419,33 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
         context.add_fork(rref_id, tuple(fork_id))
     future = context.owner_value(rref_id)
     try:
-        value = resolve_function(function)(*args, **kwargs)
+        function = resolve_function(function)
+        value = function(*args, **kwargs)
+        if is_async_function(function):
+            # The value is what the returned future completes with, whenever it does; no
+            # thread waits for it meanwhile (fetches wait on the owner's value future).
+            check_async_result(function, value)
+            value.add_done_callback(lambda done: _settle(future, done))
+            value = _PENDING
     except Exception as exc:  # raised to whoever fetches the value, as torch does
         if not future.done():
             future.set_exception(exc)
     else:
-        if not future.done():  # a remote() to ourselves that timed out already failed it
+        if value is not _PENDING and not future.done():  # a remote() to ourselves that timed out already failed it
             future.set_result(value)
     context.set_created(rref_id)
+
+
+_PENDING = object()
+
+
+def _settle(target: torch.futures.Future, done: torch.futures.Future) -> None:
+    if target.done():
+        return
+    try:
+        target.set_result(done.value())
+    except Exception as exc:  # noqa: BLE001 - the value's failure, for whoever fetches it
+        target.set_exception(exc)
 
 
 def _fetch(rref_id: list) -> torch.futures.Future:
@@ -469,8 +489,21 @@ def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
     dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
-def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> Any:
-    return getattr(rref.local_value(), name)(*args, **kwargs)
+def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> torch.futures.Future:
+    """On the owner, for the proxies (``rref.rpc_sync().method(...)``): the method's result,
+    as a future, so that a method marked ``async_execution`` is answered when the future it
+    returns completes, as torch's proxies do."""
+    method = getattr(rref.local_value(), name)
+    result = method(*args, **kwargs)
+    if is_async_function(method):
+        check_async_result(method, result)
+        return result
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(result)
+    return done
+
+
+_call_method._wrapped_async_rpc_function = _call_method
 
 
 def _owned_count() -> int:
