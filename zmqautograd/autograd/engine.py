@@ -160,10 +160,6 @@ class Plan:
         return masks
 
 
-def _is_exit(node: Any) -> bool:
-    return is_leaf_node(node) or is_recv_node(node)
-
-
 _EXIT: list = []  # the successors of an exit (leaves and recv functions end the walk); never mutated
 
 
@@ -213,7 +209,7 @@ def _discover(roots: dict[Any, list[Edge]]) -> tuple[list, dict, set]:
 def _chained(group: _Group, successors: dict) -> bool:
     """Whether one of the group's exit targets (a node of a larger group) leads to another."""
     targets = {target for target, _ in group.captures}
-    return any(not _is_exit(t) and _reaches_any(t, targets - {t}, successors) for t in targets)
+    return any(successors[t] is not _EXIT and _reaches_any(t, targets - {t}, successors) for t in targets)
 
 
 def _reaches_any(start: Any, targets: set, successors: dict) -> bool:
@@ -635,17 +631,11 @@ def _run_stepwise(group: _Group, entries: dict) -> tuple:
                 Pass._add(inputs.setdefault(target, {}), slot, grad)
             else:
                 Pass._add(captured, (target, slot), grad)
-    leaf_hooks = [
-        (target, hooks) for (target, _), leaf in zip(group.captures, group.capture_leaves)
-        if leaf and (hooks := tensor_hooks_of(target)) is not None
-    ]
-    if leaf_hooks:
-        # The leaves' tensor hooks, as PyTorch runs them where a call captures an edge: once,
-        # on what the group gave the leaf (those the pass holds back do nothing here).
-        for target, hooks in leaf_hooks:
-            edge = (target, 0)
-            if captured.get(edge) is not None:
-                captured[edge] = call_tensor_hooks(hooks.values(), captured[edge])
+    # The leaves' tensor hooks, as PyTorch runs them where a call captures an edge: once, on
+    # what the group gave the leaf (those the pass holds back do nothing here).
+    for edge, leaf in zip(group.captures, group.capture_leaves):
+        if leaf and edge in captured and (hooks := tensor_hooks_of(edge[0])) is not None:
+            captured[edge] = call_tensor_hooks(hooks.values(), captured[edge])
     return tuple(captured.get(edge) for edge in group.captures)
 
 

@@ -426,17 +426,12 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
             # thread waits for it meanwhile (fetches wait on the owner's value future).
             check_async_result(function, value)
             value.add_done_callback(lambda done: _settle(future, done))
-            value = _PENDING
+        elif not future.done():  # a remote() to ourselves that timed out already failed it
+            future.set_result(value)
     except Exception as exc:  # raised to whoever fetches the value, as torch does
         if not future.done():
             future.set_exception(exc)
-    else:
-        if value is not _PENDING and not future.done():  # a remote() to ourselves that timed out already failed it
-            future.set_result(value)
     context.set_created(rref_id)
-
-
-_PENDING = object()
 
 
 def _settle(target: torch.futures.Future, done: torch.futures.Future) -> None:
