@@ -189,3 +189,12 @@ def openmp_max_threads():
 def nested_openmp_max_threads(back):
     """``openmp_max_threads`` on a pool thread of ``back``, asked from inside a call."""
     return rpc.rpc_sync(back, openmp_max_threads)
+
+
+def pass_on_and_count_loans(value, target):
+    """Send ``value`` on to ``target`` and back; this worker's lending counters for it."""
+    import zmqautograd.rpc as rpc
+
+    back = rpc.rpc_sync(target, echo, args=(value,))
+    stats = rpc._get_current_rpc_agent().endpoint.stats()[str(rpc.get_worker_info(target).id)]
+    return back, stats.buffers_lent, stats.buffers_borrowed

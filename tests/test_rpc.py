@@ -50,6 +50,20 @@ def test_get_worker_infos(group):
     assert rpc.is_available() and dist_autograd.is_available()
 
 
+def test_big_tensors_between_workers_on_one_host_are_lent(group):
+    """Tensors of 1 MiB and more are read from the sender's memory (docs/transport.md,
+    "Lending"), here through a nested call: worker0 -> worker1 -> worker2 and back."""
+    endpoint = rpc._get_current_rpc_agent().endpoint
+    peer = str(rpc.get_worker_info("worker1").id)  # endpoints know peers by worker id
+    before = endpoint.stats()[peer]
+    big, wide = torch.randn(1 << 20), torch.randn(2048, 256).t()
+    back, lent_on, borrowed_back = rpc.rpc_sync("worker1", f.pass_on_and_count_loans, args=((big, wide), "worker2"))
+    assert torch.equal(back[0], big) and torch.equal(back[1], wide) and back[1].stride() == wide.stride()
+    assert lent_on >= 2 and borrowed_back >= 2  # worker1 lent both on to worker2, which lent them back
+    after = endpoint.stats()[peer]
+    assert after.buffers_lent - before.buffers_lent == 2 and after.buffers_borrowed - before.buffers_borrowed == 2
+
+
 def test_python_udf_kwargs_and_structures(group):
     assert rpc.rpc_sync("worker1", f.my_function, args=(1, 2, 3)) == 6
     assert rpc.rpc_sync("worker1", f.my_function, kwargs={"a": 1, "b": 2, "c": 3}) == 6

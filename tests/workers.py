@@ -6,6 +6,7 @@ address through a multiprocessing queue. The tests talk to it over real sockets.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import multiprocessing as mp
 import os
@@ -29,7 +30,8 @@ def serve(address_queue, identity: str, bind: str, options: dict | None = None) 
     """An echo server. Payloads are dicts with an "op":
 
     echo (reply with "data"), digest (reply with the sha256 of tensor "data"), record (append
-    (sender, "seq") to a log, no reply), log (reply with the log), exit.
+    (sender, "seq") to a log, no reply), log (reply with the log), stats (reply with the
+    endpoint's PeerStats of the sender, as a dict), exit.
     """
     log: list = []
     done = threading.Event()
@@ -46,6 +48,8 @@ def serve(address_queue, identity: str, bind: str, options: dict | None = None) 
             return
         elif op == "log":
             reply = list(log)
+        elif op == "stats":  # this server's counters for the asking peer
+            reply = dataclasses.asdict(endpoint.stats()[message.sender])
         elif op == "exit":
             done.set()
             return

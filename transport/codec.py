@@ -103,9 +103,11 @@ class MessageType(int):
 
 
 # The transport's own control messages.
-for _code, _name in enumerate(("HELLO", "HEARTBEAT", "GOODBYE", "PROTOCOL_ERROR"), start=1):
+# LEND_*: same-host lending of big buffers (transport/lending.py).
+_CONTROL_NAMES = ("HELLO", "HEARTBEAT", "GOODBYE", "PROTOCOL_ERROR", "LEND_OFFER", "LEND_READY", "LEND_RELEASE")
+for _code, _name in enumerate(_CONTROL_NAMES, start=1):
     MessageType.register(_name, _code)
-CONTROL_TYPES = frozenset(MessageType.lookup(code) for code in range(1, 5))
+CONTROL_TYPES = frozenset(MessageType.lookup(code) for code in range(1, len(_CONTROL_NAMES) + 1))
 
 # The seeds' RPC and distributed autograd message types (torch/csrc/distributed/rpc/message.h).
 # TorchScript variants are left out: this runtime has no TorchScript.

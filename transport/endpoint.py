@@ -45,6 +45,7 @@ which also work through a network that silently drops), or the peer says GOODBYE
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import logging
 import os
@@ -61,8 +62,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import faults
 from .codec import CONTROL_TYPES as _CONTROL_TYPES
-from .codec import Codec, Envelope, Message, MessageType
+from .codec import Codec, Envelope, ExtensionNotDecoded, Message, MessageType, _peek_message_id
 from .faults import FaultPolicy
+from . import lending
+from .lending import DEFAULT_LEND_MIN, LentFrame, Reader
 from .security import ZAP_ENDPOINT, ClusterKeys
 from .tensors import adopt_torch_thread_settings
 from .waiter import IoPoller, LockWaiter, Waiter, new_waiter
@@ -102,6 +105,9 @@ class EndpointOptions:
     # Opt-in: after traffic, the I/O thread keeps polling for this long instead of sleeping
     # (see "Busy polling" in docs/transport.md). 0: it sleeps as soon as it is idle.
     busy_poll: float = 0.0
+    # Buffers of at least this many bytes to a peer on the same host are lent, not sent: the
+    # peer reads them from our memory (transport/lending.py). 0: never.
+    lend_min: int = DEFAULT_LEND_MIN
     # With a cluster secret, all traffic is CURVE-encrypted and only peers that hold the same
     # secret get in (transport/security.py).
     cluster_secret: str | bytes | None = field(default=None, repr=False)
@@ -113,6 +119,8 @@ class EndpointOptions:
             raise ValueError("connect_timeout must be > 0 and close_linger >= 0")
         if self.busy_poll < 0:
             raise ValueError("busy_poll must be >= 0")
+        if self.lend_min < 0:
+            raise ValueError("lend_min must be >= 0")
 
 
 @dataclass
@@ -127,6 +135,9 @@ class PeerStats:
     protocol_errors: int = 0
     heartbeats_sent: int = 0
     heartbeats_received: int = 0
+    buffers_lent: int = 0  # big buffers the peer read from our memory instead (transport/lending.py)
+    buffers_borrowed: int = 0  # and buffers we read from its memory
+    buffers_on_loan: int = 0  # lent to it and not released yet (now, not a running count)
 
 
 class PeerState(enum.Enum):
@@ -149,6 +160,13 @@ class _Peer:
     waiting: deque = field(default_factory=deque)  # (message_id, frames) held until HELLO
     lost_error: PeerLostError | None = None
     ready: threading.Event = field(default_factory=threading.Event)
+    # Lending (transport/lending.py): whether it reads our big buffers; its right-to-read
+    # our challenge won; what we lent it, by transfer id, until it releases them; the
+    # buffer holding its challenge until it has read it.
+    lend: bool = False
+    reader: Reader | None = None
+    lent: dict = field(default_factory=dict)
+    offer: Any = None
 
     def __post_init__(self) -> None:
         self.routing_id = self.name.encode()
@@ -223,6 +241,13 @@ class Endpoint:
         self.faults = faults
         self.refused_connections = 0  # peers refused for not holding the cluster secret
         self._identity_bytes = identity.encode()
+        # Lending (transport/lending.py): our host key, which a peer compares with its own; the
+        # challenge a peer must show back before we read its memory; (peer, transfer id) of
+        # borrowed buffers whose release still has to go out; the next transfer id.
+        self._host_key = lending.host_key() if self.options.lend_min else None
+        self._challenge = os.urandom(lending.CHALLENGE_BYTES)
+        self._releases: deque = deque()
+        self._transfer_ids = itertools.count(1)
 
         self._lock = threading.Lock()  # guards the peer table, outbox hand-over and closing
         # Held for every use of the ROUTER (see the module's docstring). Lock order: the socket
@@ -485,7 +510,11 @@ class Endpoint:
     def stats(self) -> dict[str, PeerStats]:
         """A snapshot of the per-peer counters."""
         with self._lock:
-            return {name: replace(stats) for name, stats in self._stats.items()}
+            peers = self._peers
+            return {
+                name: replace(stats, buffers_on_loan=len(peers[name].lent) if name in peers else 0)
+                for name, stats in self._stats.items()
+            }
 
     def close(self) -> None:
         """Say GOODBYE to the peers, let queued messages leave for up to ``close_linger``
@@ -628,6 +657,10 @@ class Endpoint:
     def _close_sockets(self, linger: float) -> None:
         with self._socket_lock:
             self._router_open = False  # senders now get EndpointClosedError
+        with self._lock:
+            for record in self._peers.values():  # peers may still be reading what we lent
+                lent, record.lent = record.lent, {}
+                lending.retire(lent.values(), self.options.peer_timeout)
         router = getattr(self, "_router", None)
         if router is not None:
             try:
@@ -727,6 +760,9 @@ class Endpoint:
             elif kind == "close":
                 self._say_goodbye()
                 return False
+            # "releases": a reading thread queued some (_borrowed_done); they go below.
+        if self._releases:
+            self._send_releases()
         return True
 
     def _authenticate(self) -> None:
@@ -755,8 +791,14 @@ class Endpoint:
         self._send_hello(peer)
 
     def _send_hello(self, peer: str) -> None:
-        hello = self.codec.encode(Message(MessageType.HELLO, 0, self.identity, {"identity": self.identity}))
-        self._send_to_peer(peer, 0, hello, _frames_nbytes(hello))
+        payload: dict[str, Any] = {"identity": self.identity}
+        if self._host_key is not None:
+            payload["lend"] = {"host": self._host_key, "pid": os.getpid(), "challenge": self._challenge}
+        self._send_control(peer, MessageType.HELLO, payload)
+
+    def _send_control(self, peer: str, kind: MessageType, payload: Any) -> None:
+        frames = self.codec.encode(Message(kind, 0, self.identity, payload))
+        self._send_to_peer(peer, 0, frames, _frames_nbytes(frames))
 
     def _send_to_peer(self, peer: str, message_id: int, frames: list, nbytes: int) -> None:
         # Caller holds the socket lock. Peer states change on the I/O thread only, under the
@@ -771,9 +813,16 @@ class Endpoint:
             self._report_send_error(peer, message_id, error)
             return
         stats = self._stats[peer]
+        copy = nbytes < _ZERO_COPY_MIN
+        if record.lend and nbytes >= self.options.lend_min:
+            lent_frames, lent = lending.lend(frames, self.options.lend_min, self._transfer_ids)
+            if lent:
+                frames = lent_frames
+                record.lent.update(lent)
+                stats.buffers_lent += len(lent)
+                copy = True
         try:
             # Zero-copy frames cost more to set up than small copies: only big messages use them.
-            copy = nbytes < _ZERO_COPY_MIN
             # send_multipart, unrolled: it costs a few Python checks per frame. With
             # ROUTER_MANDATORY an unreachable peer fails on the routing id, before any frame.
             send = self._router.send
@@ -820,6 +869,8 @@ class Endpoint:
         except UnicodeDecodeError:
             peer = "<raw:" + routing_id.hex() + ">"
         try:
+            if len(frames) > 2 and lending.is_table(frames[1]):
+                frames = self._borrow(peer, frames)
             envelope = self.codec.decode_envelope(frames[1:])
             if envelope.sender != peer:
                 raise RemoteProtocolError(
@@ -833,7 +884,7 @@ class Endpoint:
         record = self._peers.get(peer)
         stats = self._stats.get(peer)
         if envelope.type is MessageType.HELLO:
-            record = self._hello(peer, frames[1])
+            record = self._hello(peer, frames[1], envelope)
             stats = self._stats[peer]
         if record is None:
             self._protocol_error(
@@ -854,6 +905,12 @@ class Endpoint:
                 self._peer_lost(peer, "the peer closed its endpoint", level=logging.INFO)
             elif kind is MessageType.PROTOCOL_ERROR:
                 self._to_dispatcher(self._peer_rejected, (peer, envelope))
+            elif kind is MessageType.LEND_RELEASE:
+                self._lend_released(record, envelope)
+            elif kind is MessageType.LEND_OFFER:
+                self._lend_offered(record, envelope)
+            elif kind is MessageType.LEND_READY:
+                record.lend, record.offer = True, None
             return
         self._received += 1
         if self._on_envelope is not None and self._on_envelope(peer, envelope):
@@ -867,7 +924,7 @@ class Endpoint:
         else:
             self._to_dispatcher(self._deliver, (peer, envelope))
 
-    def _hello(self, peer: str, envelope_frame: zmq.Frame) -> _Peer:
+    def _hello(self, peer: str, envelope_frame: zmq.Frame, envelope: Envelope) -> _Peer:
         """A HELLO: register or confirm the peer, flush what waited for it, answer it."""
         with self._lock:
             record = self._peers.get(peer)
@@ -889,8 +946,105 @@ class Endpoint:
             self._send_hello(peer)
             for message_id, frames, nbytes in waiting:
                 self._send_to_peer(peer, message_id, frames, nbytes)
+        self._offer_to_lend(record, envelope)
         record.ready.set()
         return record
+
+    # ---------------------------------------------------- lending (transport/lending.py)
+
+    def _control_payload(self, record: _Peer, envelope: Envelope) -> Any:
+        try:
+            return self.codec.decode_payload(envelope, plain=True)
+        except (ProtocolError, ExtensionNotDecoded) as exc:
+            log.warning("endpoint %s: malformed %s from %s: %s", self.identity, envelope.type.name, record.name, exc)
+            return None
+
+    def _offer_to_lend(self, record: _Peer, hello: Envelope) -> None:
+        """A peer on our host: show it its challenge in our memory (LEND_OFFER), and keep the
+        pid its HELLO named, the one whose memory we will read if it does the same."""
+        if self._host_key is None or record.state is not PeerState.READY:
+            return
+        payload = self._control_payload(record, hello)
+        offer = lending.Offer.from_hello(payload, self._host_key)
+        if offer is None:
+            return
+        record.offer = offer
+        self._send_control(record.name, MessageType.LEND_OFFER, offer.message())
+
+    def _lend_offered(self, record: _Peer, envelope: Envelope) -> None:
+        """The peer shows our challenge in its memory: once we read it there, it may lend."""
+        if record.offer is None or record.reader is not None:
+            return  # not on our host (or lending is off here), or already done
+        payload = self._control_payload(record, envelope)
+        try:
+            record.reader = lending.Reader.verify(record.offer.peer_pid, payload, self._challenge)
+        except (OSError, ProtocolError) as exc:
+            log.info("endpoint %s: cannot read the memory of %s, big buffers go through the socket: %s",
+                     self.identity, record.name, exc)
+            return
+        self._send_control(record.name, MessageType.LEND_READY, None)
+
+    def _lend_released(self, record: _Peer, envelope: Envelope) -> None:
+        ids = self._control_payload(record, envelope)
+        if not isinstance(ids, list):
+            log.warning("endpoint %s: malformed LEND_RELEASE from %s", self.identity, record.name)
+            return
+        lent = record.lent
+        for transfer_id in ids:
+            if type(transfer_id) is int:
+                lent.pop(transfer_id, None)
+
+    def _borrow(self, peer: str, frames: list) -> list:
+        """Frames of a message with lent buffers: each empty placeholder replaced with a
+        LentFrame that reads the buffer when the payload is decoded."""
+        record = self._peers.get(peer)
+        reader = record.reader if record is not None else None
+        try:
+            if reader is None:
+                raise RemoteProtocolError(f"{peer!r} lent buffers, but this endpoint has not verified it can read its memory")
+            entries = lending.decode_table(frames[1], frames[3:])
+        except RemoteProtocolError as exc:
+            exc.message_id = _peek_message_id(frames[2])  # so the refusal names the message
+            raise
+        frames = [frames[0], *frames[2:]]
+        done = functools.partial(self._borrowed_done, peer)
+        for index, transfer_id, address, nbytes in entries:
+            frames[1 + index] = LentFrame(reader, address, nbytes, transfer_id, done, peer)
+        self._stats[peer].buffers_borrowed += len(entries)
+        return frames
+
+    def _borrowed_done(self, peer: str, transfer_id: int, read: bool) -> None:
+        """A borrowed buffer was read (or dropped unread): the lender may free it. Called
+        from any thread, holding any lock or none (a frame dropped unread calls it from its
+        finaliser), so the release is only queued here; a reading thread then sends it at
+        once if it can take the socket lock, or has the I/O thread send it."""
+        self._releases.append((peer, transfer_id))
+        if not read:
+            return  # the I/O thread sends it on its next turn (a heartbeat interval at most)
+        if self._socket_lock.acquire(blocking=False):
+            try:
+                if self._router_open:
+                    self._send_releases()
+                needs_io = bool(self._router.get(_EVENTS) & _POLLIN) if self._router_open else False
+            finally:
+                self._socket_lock.release()
+            if needs_io and self._io_asleep:
+                with self._lock:
+                    self._wake_io_locked()
+        else:
+            with self._lock:
+                if not self._closed:
+                    self._post_locked(("releases",))
+
+    def _send_releases(self) -> None:
+        """Send the queued releases, one LEND_RELEASE per lender (under the socket lock)."""
+        releases = self._releases
+        by_peer: dict[str, list[int]] = {}
+        while releases:
+            peer, transfer_id = releases.popleft()
+            by_peer.setdefault(peer, []).append(transfer_id)
+        for peer, ids in by_peer.items():
+            self._send_control(peer, MessageType.LEND_RELEASE, ids)
 
     def _protocol_error(self, routing_id: bytes, peer: str, envelope: Envelope | None, exc: ProtocolError) -> None:
         """Count and log a malformed message, and tell the sender unless that could loop."""
@@ -941,8 +1095,9 @@ class Endpoint:
             self._peer_lost(peer, reason)
 
     def _tick(self, now: float) -> None:
-        """Heartbeats out, and silent peers declared lost."""
+        """Heartbeats out, silent peers declared lost, retired lent buffers forgotten."""
         options = self.options
+        lending.retire((), 0.0)
         with self._lock:
             records = list(self._peers.values())
         for record in records:
@@ -968,6 +1123,10 @@ class Endpoint:
             error = PeerLostError(peer, f"{self.identity}: lost peer {peer!r}: {reason}")
             record.lost_error = error
             waiting, record.waiting = record.waiting, deque()
+            lent, record.lent = record.lent, {}
+            record.lend, record.reader, record.offer = False, None, None
+        # The peer may not know yet that it lost us, and still read what we lent it.
+        lending.retire(lent.values(), self.options.peer_timeout)
         log.log(level, "%s", error)
         if record.address is not None:
             self._by_address.pop(record.address, None)

@@ -220,6 +220,7 @@ class Agent:
                 connect_timeout=rendezvous.timeout,
                 cluster_secret=secret,
                 busy_poll=options.busy_poll,
+                lend_min=options.lend_min,
             ),
             # Requests go from the thread that received them straight to the pool that runs
             # them, and a response to rpc_sync straight to the thread that waits for it.

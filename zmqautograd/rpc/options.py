@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from transport.lending import DEFAULT_LEND_MIN
+
 from .devices import to_device, to_device_map
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
@@ -43,6 +45,9 @@ class ZmqRpcBackendOptions:
             this long instead of sleeping: lower latency on machines where waking a sleeping
             thread is slow (VMs), for the price of a busy CPU while the traffic lasts.
             TensorPipe's same-host transport busy-polls all the time (docs/transport.md).
+        lend_min: tensors of at least this many bytes to a worker on the same host are read
+            by it straight from this process's memory, one copy instead of a socket's two
+            (docs/transport.md, "Lending"); 0 turns that off.
         messages_to_fail / num_fail_sends / messages_to_delay / drop_fraction / fail_fraction /
         fault_seed:
             fault injection, as torch's faulty agent options (``transport.faults``; also
@@ -65,6 +70,7 @@ class ZmqRpcBackendOptions:
     heartbeat_interval: float = 1.0
     peer_timeout: float = 10.0
     busy_poll: float = 0.0
+    lend_min: int = DEFAULT_LEND_MIN
     messages_to_fail: list[str] = field(default_factory=list)
     num_fail_sends: int = 0
     messages_to_delay: dict[str, float] = field(default_factory=dict)

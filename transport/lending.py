@@ -1,0 +1,300 @@
+"""Same-host single-copy transfer of big buffers: *lending*, with cross-memory attach.
+
+A socket copies every byte twice, into the kernel and out of it, in chunks, with a system call
+or more per chunk. Between processes of one host (and one pid namespace), Linux lets a process
+read another's memory directly with ``process_vm_readv`` ("cross-memory attach", one copy by
+the kernel, as TensorPipe's ``cma`` channel does). So for a big buffer to a peer on the same
+host the sender *lends* it: the message carries the buffer's address and size instead of its
+bytes, the receiver reads them straight into a tensor of its own, and says so (LEND_RELEASE);
+the sender keeps the buffer alive until then, or until the peer is lost.
+
+Measured on the 2-vCPU VM this project runs on: reading 16 MiB this way takes ~3 ms; the same
+bytes through a loopback socket took 7-9 ms each way (docs/transport.md, "Lending").
+
+Who may read whose memory is settled once per connection, with a challenge: each HELLO carries
+the sender's host key, pid and 16 random bytes (the *challenge*). A peer on the same host puts
+our challenge into a buffer of its own and tells us where (LEND_OFFER); we read it from the pid
+its HELLO named and compare. Only the process that received the challenge can have put it
+there, so a peer cannot make us read a third process's memory by naming that process's pid.
+We then keep a pidfd of the peer: a pid can be reused once its process exits, and a read is
+only trusted if the pidfd shows the process still alive after it. On success we answer
+LEND_READY, and from then on the peer lends us its big buffers.
+
+Nothing here touches a socket: the endpoint runs the protocol (transport/endpoint.py).
+
+Wire: a message with lent buffers has one more frame in front of its envelope,
+``b"\\xc1" + msgpack([[frame_index, transfer_id, address, nbytes], ...])``, and an empty frame
+where each lent buffer would be (``frame_index`` counts the buffer frames after the envelope
+from 1, as tensor descriptors do). 0xc1 is the one byte msgpack never uses, so no envelope can
+start with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import select
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgpack
+import torch
+
+from .errors import RemoteProtocolError
+from .tensors import as_buffer
+
+LENT_MARK = 0xC1
+_MARK_BYTE = bytes((LENT_MARK,))
+CHALLENGE_BYTES = 16
+DEFAULT_LEND_MIN = 1 << 20  # smaller buffers go through the socket (the release message costs more)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _load_process_vm_readv() -> Callable | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.process_vm_readv
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_ssize_t
+    function.argtypes = [
+        ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong,
+    ]
+    return function
+
+
+_process_vm_readv = _load_process_vm_readv()
+
+
+def host_key() -> str | None:
+    """What two processes share when a pid means the same process to both: the boot (the
+    same kernel) and the pid namespace. None where this cannot be told or read."""
+    if _process_vm_readv is None or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+        return f"{boot_id}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def read_memory(pid: int, address: int, nbytes: int, into: int) -> None:
+    """Copy ``nbytes`` at ``address`` in process ``pid`` to ``into`` in ours. Raises OSError
+    (EFAULT for an address the process has not mapped, EPERM where reading is not allowed,
+    ESRCH when the process is gone). ctypes releases the GIL for the call."""
+    local = _IoVec(into, nbytes)
+    remote = _IoVec(address, nbytes)
+    done = _process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    if done != nbytes:
+        code = ctypes.get_errno() if done < 0 else errno.EFAULT  # a partial read: part is unmapped
+        raise OSError(code, os.strerror(code))
+
+
+def is_alive(pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` still runs (a pidfd turns readable when it exits)."""
+    readable, _, _ = select.select([pidfd], [], [], 0)
+    return not readable
+
+
+class Reader:
+    """The right to read one peer's memory, won by the challenge (see the module's docstring).
+    Its pidfd closes when the last reference goes."""
+
+    def __init__(self, pid: int, pidfd: int):
+        self.pid = pid
+        self.pidfd = pidfd
+
+    @classmethod
+    def verify(cls, pid: Any, address: Any, challenge: bytes) -> "Reader":
+        """Read the challenge at ``address`` in ``pid``; a Reader when it is there. Raises
+        OSError or RemoteProtocolError with the reason otherwise."""
+        if type(address) is not int or address <= 0:
+            raise RemoteProtocolError(f"LEND_OFFER names address {address!r:.20}")
+        pidfd = os.pidfd_open(pid)
+        try:
+            found = ctypes.create_string_buffer(len(challenge))
+            read_memory(pid, address, len(challenge), ctypes.addressof(found))
+            if found.raw != challenge or not is_alive(pidfd):
+                raise RemoteProtocolError(f"the challenge is not where LEND_OFFER says (pid {pid}, address {address:#x})")
+        except BaseException:
+            os.close(pidfd)
+            raise
+        return cls(pid, pidfd)
+
+    def read(self, address: int, nbytes: int) -> torch.Tensor:
+        """A new uint8 tensor holding ``nbytes`` read at ``address`` in the peer."""
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        read_memory(self.pid, address, nbytes, data.data_ptr())
+        if not is_alive(self.pidfd):  # the pid may since name another process: trust nothing read
+            raise OSError(errno.ESRCH, "the process exited")
+        return data
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+    # Not closed by the endpoint when the peer is lost: a frame being decoded may still read
+    # through it, and a closed descriptor's number may be reused by then.
+    __del__ = close
+
+
+def encode_table(entries: list[list[int]]) -> bytes:
+    """The frame that goes in front of the envelope of a message with lent buffers."""
+    return _MARK_BYTE + msgpack.packb(entries)
+
+
+def is_table(frame: Any) -> bool:
+    """Whether a message's first frame is a lent-buffer table rather than an envelope."""
+    # A received frame keeps its bytes once made, and the envelope decoder wants them anyway.
+    raw = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    return raw[:1] == _MARK_BYTE
+
+
+def decode_table(frame: Any, buffer_frames: list) -> list[tuple[int, int, int, int]]:
+    """``(frame_index, transfer_id, address, nbytes)`` of each lent buffer, checked against the
+    message's buffer frames (those after the envelope). Raises RemoteProtocolError."""
+    raw = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+    try:
+        entries = msgpack.unpackb(raw[1:], use_list=True, raw=False)
+    except Exception as exc:  # msgpack raises many types for garbage; all mean the same
+        raise RemoteProtocolError(f"lent-buffer table is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(entries, list) or not entries:
+        raise RemoteProtocolError("lent-buffer table must be a non-empty list")
+    seen: set[int] = set()
+    checked = []
+    for entry in entries:
+        if not isinstance(entry, list) or len(entry) != 4 or not all(type(v) is int and v >= 0 for v in entry):
+            raise RemoteProtocolError(f"lent-buffer entry must be 4 non-negative ints, got {entry!r:.80}")
+        index, transfer_id, address, nbytes = entry
+        if not 1 <= index <= len(buffer_frames) or index in seen:
+            raise RemoteProtocolError(f"lent-buffer entry names frame {index}, message has frames 1..{len(buffer_frames)}")
+        if len(buffer_frames[index - 1]) != 0:
+            raise RemoteProtocolError(f"frame {index} is lent but not empty")
+        if nbytes == 0 or address == 0:
+            raise RemoteProtocolError(f"lent buffer at {address:#x} of {nbytes} bytes")
+        seen.add(index)
+        checked.append((index, transfer_id, address, nbytes))
+    return checked
+
+
+class LentFrame:
+    """A received frame whose bytes are still in the sender's memory. Its ``buffer`` reads
+    them (once, on the thread that decodes the message, never under the socket lock) and then
+    calls ``done(transfer_id)`` so that the sender's buffer is released; a frame never read
+    calls it when it is dropped. ``len()`` is the lent size, so message size limits count it."""
+
+    __slots__ = ("_reader", "_address", "_nbytes", "_transfer_id", "_done", "_peer", "_view")
+
+    def __init__(self, reader: Reader, address: int, nbytes: int, transfer_id: int, done: Callable[[int, bool], None],
+                 peer: str):
+        self._reader = reader
+        self._address = address
+        self._nbytes = nbytes
+        self._transfer_id = transfer_id
+        self._done: Callable[[int, bool], None] | None = done
+        self._peer = peer
+        self._view: memoryview | None = None
+
+    def __len__(self) -> int:
+        return self._nbytes
+
+    @property
+    def buffer(self) -> memoryview:
+        if self._view is None:
+            done, self._done = self._done, None
+            if done is None:
+                raise RemoteProtocolError(f"lent frame {self._transfer_id} from {self._peer!r} could not be read")
+            try:
+                data = self._reader.read(self._address, self._nbytes)
+            except OSError as exc:
+                raise RemoteProtocolError(
+                    f"cannot read the {self._nbytes} bytes {self._peer!r} lent at {self._address:#x} "
+                    f"(pid {self._reader.pid}): {exc.strerror}"
+                ) from None
+            finally:
+                done(self._transfer_id, True)
+            self._view = memoryview(as_buffer(data))
+        return self._view
+
+    def __del__(self) -> None:
+        done = self._done
+        if done is not None:
+            self._done = None
+            done(self._transfer_id, False)
+
+
+def lendable(frame: Any, lend_min: int) -> bool:
+    """Whether a frame can be lent: a ctypes array (how the codec exports a big tensor's
+    memory without a copy; its address is fixed while it lives) of at least ``lend_min``."""
+    return isinstance(frame, ctypes.Array) and ctypes.sizeof(frame) >= lend_min
+
+
+def lend(frames: list, lend_min: int, transfer_ids: Iterable[int]) -> tuple[list, dict[int, Any]]:
+    """The frames of a message with each lendable buffer replaced by an empty frame, behind
+    the table that says where the peer reads them, and the lent buffers by transfer id (the
+    sender keeps them until released). Unchanged frames and {} when nothing is lendable."""
+    entries = []
+    lent: dict[int, Any] = {}
+    out = list(frames)
+    ids = iter(transfer_ids)
+    for index in range(1, len(frames)):  # frame 0 is the envelope
+        frame = frames[index]
+        if lendable(frame, lend_min):
+            transfer_id = next(ids)
+            lent[transfer_id] = frame
+            entries.append([index, transfer_id, ctypes.addressof(frame), ctypes.sizeof(frame)])
+            out[index] = b""
+    if not entries:
+        return frames, {}
+    return [encode_table(entries), *out], lent
+
+
+class Offer:
+    """A peer's challenge, put in our memory for it to read (LEND_OFFER), and the pid its
+    HELLO named: the process whose memory we read if it shows us our challenge in turn."""
+
+    def __init__(self, challenge: bytes, peer_pid: int):
+        self.buffer = ctypes.create_string_buffer(challenge, len(challenge))
+        self.peer_pid = peer_pid
+
+    @classmethod
+    def from_hello(cls, payload: Any, host: str) -> "Offer | None":
+        """The offer to make for a HELLO's payload; None when the peer is not on our host (or
+        does not lend)."""
+        info = payload.get("lend") if isinstance(payload, dict) else None
+        if not isinstance(info, dict) or info.get("host") != host:
+            return None
+        challenge, pid = info.get("challenge"), info.get("pid")
+        if not isinstance(challenge, bytes) or len(challenge) != CHALLENGE_BYTES or type(pid) is not int or pid <= 0:
+            return None
+        return cls(challenge, pid)
+
+    def message(self) -> int:
+        """LEND_OFFER's payload: where the challenge is (our pid went in our HELLO)."""
+        return ctypes.addressof(self.buffer)
+
+
+# Buffers lent to peers that were lost or closed: a peer may not know yet and still read them,
+# so they live on for a while (the peer timeout) instead of going back to the allocator.
+_retired: deque = deque()
+_retired_lock = threading.Lock()
+
+
+def retire(buffers: Iterable[Any], hold_for: float) -> None:
+    """Keep ``buffers`` alive for ``hold_for`` seconds more; forget those whose time is up."""
+    now = time.monotonic()
+    buffers = list(buffers)
+    with _retired_lock:
+        while _retired and _retired[0][0] <= now:
+            _retired.popleft()
+        if buffers:
+            _retired.append((now + hold_for, buffers))
