@@ -440,6 +440,30 @@ def test_remote_and_rref_basics(group):
     assert own.is_owner() and own.to_here() == 6
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_rref_get_type(group, blocking):
+    """torch's test_rref_type_{blocking,non_blocking}, _with_error, _owner, _slow_init and
+    test_rref_get_type_timeout_*: the owner is asked once, and the answer kept."""
+    def get_type(rref, **kwargs):
+        got = rref._get_type(blocking=blocking, **kwargs)
+        return got if blocking else got.wait()
+
+    rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+    assert get_type(rref) is torch.Tensor
+    if not blocking:  # every later ask returns the first answer's future: no new call
+        first = rref._get_type(blocking=False)
+        assert all(rref._get_type(blocking=False) is first for _ in range(10))
+    assert get_type(rpc.remote("worker2", f.Counter, args=(0,))) is f.Counter
+    failed = rpc.remote("worker2", f.raise_value_error, args=("Expected error",))
+    with pytest.raises(ValueError, match="Expected error"):
+        get_type(failed)
+    assert get_type(rpc.RRef(torch.ones(2) + 1)) is torch.Tensor and get_type(rpc.RRef(f.Counter(0))) is f.Counter
+    slow = rpc.remote("worker3", f.sleep_and_return, args=(1.0, torch.ones(2)))
+    with pytest.raises(RuntimeError, match="RPC ran for more than"):
+        get_type(slow, timeout=0.2)
+    assert get_type(slow) is torch.Tensor  # a failed ask is not kept: this one waits for the value
+
+
 def test_remote_exception_raises_on_to_here(group):
     rref = rpc.remote("worker2", f.raise_value_error, args=("stored failure",))
     with pytest.raises(ValueError, match="stored failure"):

@@ -352,6 +352,45 @@ class RRef:
                                       (list(self.rref_id), dist_autograd_ctx_id, retain_graph), None, -1.0,
                                       message_type=MessageType.RREF_BACKWARD_REQ)
 
+    def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
+        """The type of the value (torch's private API; its tests and proxies use it), or with
+        ``blocking=False`` a future of it. The owner looks; a user asks the owner once,
+        waiting there until the value exists (``timeout`` bounds that, as any call's), and
+        keeps the answer: later calls return the same future. A failed ask is not kept."""
+        future = getattr(self, "_type_future", None)
+        if future is None:
+            if self.is_owner():
+                future = torch.futures.Future()
+                try:
+                    future.set_result(type(self.local_value()))
+                except Exception as exc:  # the value's creation failed: so does this
+                    future.set_exception(exc)
+            else:
+                from . import api
+                from .serialization import resolve_function
+
+                self._check_created()
+                asked = api.rpc_async(self.owner(), _type_on_owner, args=(self,), timeout=timeout)
+                future = torch.futures.Future()  # not asked.then(): it would wrap the owner's error
+
+                def resolve(done: torch.futures.Future) -> None:
+                    try:
+                        future.set_result(resolve_function(done.value()))
+                    except Exception as exc:
+                        future.set_exception(exc)
+
+                asked.add_done_callback(resolve)
+            self._type_future = future
+            future.add_done_callback(self._forget_failed_type)
+        return future.wait() if blocking else future
+
+    def _forget_failed_type(self, future: torch.futures.Future) -> None:
+        try:
+            future.value()
+        except Exception:
+            if getattr(self, "_type_future", None) is future:
+                self._type_future = None
+
     def rpc_sync(self, timeout: float = -1.0) -> "_Proxy":
         """``rref.rpc_sync().method(*args)`` runs ``method`` on the value, on its owner."""
         from . import api
@@ -408,6 +447,14 @@ class _Proxy:
 
 def _context() -> RRefContext:
     return current.agent().rrefs
+
+
+def _type_on_owner(rref: RRef) -> Any:
+    """On the owner, for ``RRef._get_type``: the value's type, by reference (torch's
+    ``_rref_typeof_on_owner``); waits for the value as ``local_value`` does."""
+    from .serialization import encode_function
+
+    return encode_function(type(rref.local_value()))
 
 
 def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: tuple, kwargs: dict) -> None:
