@@ -64,6 +64,23 @@ def test_big_tensors_between_workers_on_one_host_are_lent(group):
     assert after.buffers_lent - before.buffers_lent == 2 and after.buffers_borrowed - before.buffers_borrowed == 2
 
 
+def test_wrong_types_and_invalid_names():
+    """torch's test_wrong_types and test_invalid_names (no group needed: all fail before)."""
+    with pytest.raises(TypeError, match="Argument backend must be a member of BackendType"):
+        rpc.init_rpc("w0", rank=0, world_size=1, backend="TENSORPIPE")
+    with pytest.raises(TypeError, match="Argument rpc_backend_options must be an instance of RpcBackendOptions"):
+        rpc.init_rpc("w0", rank=0, world_size=1, rpc_backend_options={"init_method": "tcp://127.0.0.1:1"})
+    for name, message in (("abc*", "Worker name must match"), (" ", "Worker name must match"),
+                          ("", "must be non-empty"), ("a" * 500, "shorter than 128")):
+        with pytest.raises(RuntimeError, match=message):
+            rpc.WorkerInfo(name, 0)
+    with pytest.raises(RuntimeError, match="Worker name must match"):
+        rpc.init_rpc("bad name", rank=0, world_size=1)
+    # Ported code that names TensorPipe's options and backend gets ours.
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=20)
+    assert isinstance(options, rpc.ZmqRpcBackendOptions) and rpc.BackendType.TENSORPIPE is rpc.BackendType.ZMQ
+
+
 def test_python_udf_kwargs_and_structures(group):
     assert rpc.rpc_sync("worker1", f.my_function, args=(1, 2, 3)) == 6
     assert rpc.rpc_sync("worker1", f.my_function, kwargs={"a": 1, "b": 2, "c": 3}) == 6

@@ -21,11 +21,18 @@ from .api import (
 )
 from .errors import RemoteException, RendezvousError, RpcError, RpcNotInitializedError, RpcTimeoutError, SerializationError
 from .rref import RRef
-from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
+from .options import (
+    DEFAULT_RPC_TIMEOUT_SEC,
+    UNSET_RPC_TIMEOUT,
+    BackendType,
+    TensorPipeRpcBackendOptions,
+    ZmqRpcBackendOptions,
+)
 
 __all__ = [
     "functions", "WorkerInfo", "get_worker_info", "init_rpc", "remote", "RRef", "rpc_async", "rpc_sync", "shutdown",
     "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized", "_get_current_rpc_agent", "is_available",
     "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
     "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",
+    "BackendType", "TensorPipeRpcBackendOptions",
 ]

@@ -11,6 +11,7 @@ import ipaddress
 import itertools
 import logging
 import os
+import re
 import threading
 from _thread import allocate_lock as _allocate_lock
 from dataclasses import dataclass
@@ -70,12 +71,23 @@ RETRYABLE_TYPES = frozenset({
 })
 
 
+_WORKER_NAME = re.compile(r"[A-Za-z0-9\-_:]+")
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """A worker's name and id (its rank), as ``torch.distributed.rpc.WorkerInfo``."""
 
     name: str
     id: int
+
+    def __post_init__(self) -> None:
+        # torch's rule and message (WorkerInfo's constructor, rpc/types.cpp).
+        if not isinstance(self.name, str) or not _WORKER_NAME.fullmatch(self.name) or len(self.name) >= 128:
+            raise RpcError(
+                f"Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and shorter than 128 chars, "
+                f"but got {self.name}"
+            )
 
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self.id}, name={self.name})"

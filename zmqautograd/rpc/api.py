@@ -11,7 +11,7 @@ from transport import MessageType, TransportError
 
 from .agent import Agent, WorkerInfo
 from .errors import RpcError, RpcNotInitializedError
-from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
+from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, BackendType, ZmqRpcBackendOptions
 from .rendezvous import Rendezvous
 from .rref import RRef, _run_remote
 from .serialization import encode_function
@@ -44,8 +44,17 @@ def init_rpc(
     global _agent
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
-    if backend is not None and str(backend).upper() not in ("ZMQ", "TENSORPIPE", "BACKENDTYPE.TENSORPIPE"):
-        raise ValueError(f"unsupported backend {backend!r}: zmqautograd has one backend, ZeroMQ")
+    # torch's checks and messages (rpc/__init__.py, _validate_rpc_args).
+    if backend is not None and not isinstance(backend, BackendType):
+        raise TypeError("Argument backend must be a member of BackendType")
+    if rpc_backend_options is not None and not isinstance(rpc_backend_options, ZmqRpcBackendOptions):
+        raise TypeError(
+            "Argument rpc_backend_options must be an instance of RpcBackendOptions "
+            f"(here zmqautograd.rpc.ZmqRpcBackendOptions), got {type(rpc_backend_options).__qualname__}"
+        )
+    if type(rank) is not int or (world_size is not None and type(world_size) is not int):
+        raise TypeError(f"Argument rank must be of type int and world_size of type int or None, got {rank!r}, {world_size!r}")
+    WorkerInfo(name, 0)  # torch's rules for names, checked before anyone waits for us
     options = rpc_backend_options or ZmqRpcBackendOptions()
     with _state_lock:
         if _agent is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,14 @@ from .devices import to_device, to_device_map
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
 UNSET_RPC_TIMEOUT = -1.0  # "use the agent's default", as in torch
+
+
+class BackendType(enum.Enum):
+    """torch's ``rpc.BackendType``, so that ported code runs unchanged: zmqautograd has one
+    backend, and ``BackendType.TENSORPIPE`` names it too."""
+
+    ZMQ = "ZMQ"
+    TENSORPIPE = "ZMQ"  # an alias of ZMQ
 
 
 @dataclass
@@ -113,3 +122,8 @@ class ZmqRpcBackendOptions:
 
     def set_devices(self, devices: list[Any]) -> None:
         self.devices = [to_device(d) for d in devices]
+
+
+# So that code ported by changing the import alone still builds its options (the options
+# TensorPipe's have and ours lack, ``_transports`` and ``_channels``, are refused).
+TensorPipeRpcBackendOptions = ZmqRpcBackendOptions
