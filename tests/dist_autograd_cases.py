@@ -41,6 +41,14 @@ def destructive(test):
     return test
 
 
+def own_rpc(test):
+    """torch's tests that call init_rpc and shutdown themselves (no dist_init): the harness
+    gives them a group whose workers have not started RPC, and the case's ``rpc_backend``
+    and ``rpc_backend_options`` to start it with."""
+    test._setup_rpc = False
+    return test
+
+
 def requires_gpus(count):
     def mark(test):
         test._gpus = count
@@ -2524,7 +2532,33 @@ class WrapperModule(nn.Module):
         return [grads[p] for p in self.model.parameters()]
 
 
+class OwnRpcDistAutogradTest(SpmdCase):
+    """Not upstream: the harness path of the upstream tests that start RPC themselves
+    (TensorPipeCudaDistAutogradTest's below need 4 GPUs), on CPU, so that it runs in CI."""
+
+    @own_rpc
+    def test_rpc_started_and_stopped_in_the_test_body(self):
+        dst = worker_name((self.rank + 1) % self.world_size)
+        rpc.init_rpc(
+            name=worker_name(self.rank),
+            backend=self.rpc_backend,
+            rank=self.rank,
+            world_size=self.world_size,
+            rpc_backend_options=self.rpc_backend_options,
+        )
+        t1 = torch.rand(10, requires_grad=True)
+        t2 = torch.rand(10, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            res = rpc.rpc_sync(dst, torch.mul, args=(t1, t2))
+            dist_autograd.backward(context_id, [res.sum()])
+            grads = dist_autograd.get_gradients(context_id)
+            self.assertEqual(t2, grads[t1])
+            self.assertEqual(t1, grads[t2])
+        rpc.shutdown()
+
+
 class TensorPipeCudaDistAutogradTest(SpmdCase):
+    @own_rpc
     @requires_gpus(4)
     def test_device_maps_backward_pass(self):
         options = self.rpc_backend_options
@@ -2567,6 +2601,7 @@ class TensorPipeCudaDistAutogradTest(SpmdCase):
         def forward(self, input):
             return self.next_stage.rpc_sync().forward(input)
 
+    @own_rpc
     @requires_gpus(4)
     def test_dist_autograd_sync_streams(self):
         options = self.rpc_backend_options
@@ -2605,6 +2640,7 @@ class TensorPipeCudaDistAutogradTest(SpmdCase):
 
         rpc.shutdown()
 
+    @own_rpc
     @requires_gpus(4)
     def test_gradients_synchronizations(self):
         options = self.rpc_backend_options

@@ -26,32 +26,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name: str, options: dict, conn) -> None:
+def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name: str, options: dict, conn,
+            setup_rpc: bool = True) -> None:
     import torch.distributed as dist
 
     import zmqautograd.autograd as dist_autograd
     import zmqautograd.rpc as rpc
 
+    def rpc_options() -> Any:
+        return rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rpc_port}", **options)
+
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=rank, world_size=world_size)
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
-                     rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{rpc_port}", **options))
+        if setup_rpc:
+            rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=rpc_options())
         module = importlib.import_module(module_name)
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
         return
-    default_timeout = rpc._get_rpc_timeout()
+    default_timeout = rpc._get_rpc_timeout() if setup_rpc else None
     while True:
         command = conn.recv()
         if command is None:
             break
         class_name, test_name, destructive = command
         module.reset_state()
-        rpc._set_rpc_timeout(default_timeout)
+        if setup_rpc:
+            rpc._set_rpc_timeout(default_timeout)
         dist.barrier()  # nobody calls into a rank before it has reset its state for this test
         try:
             case = getattr(module, class_name)(rank, world_size)
+            if not setup_rpc:  # what upstream tests that start RPC themselves use
+                case.rpc_backend, case.rpc_backend_options = rpc.BackendType.ZMQ, rpc_options()
             getattr(case, test_name)()
             outcome = ("ok", None)
         except SystemExit as exc:  # upstream tests may end their process on purpose
@@ -63,19 +70,20 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
             if rank == 0:  # it hosts the process group's store, which others may still read:
                 conn.recv()  # it stays until the harness kills the group
             os._exit(0)
-        if outcome[0] == "ok":
+        if outcome[0] == "ok" and setup_rpc:  # (else the test shut its RPC down itself)
             container = rpc.api._current().autograd
             if not container.wait_released(None, LEAK_WAIT):
                 outcome = ("error", f"rank {rank}: {container.count()} autograd context(s) left after the test")
         dist.barrier()
         conn.send(outcome)
-    rpc.shutdown()
+    if setup_rpc:
+        rpc.shutdown()
     dist.destroy_process_group()
     del dist_autograd
 
 
 class SpmdGroup:
-    def __init__(self, module_name: str, world_size: int = 4, **options: Any):
+    def __init__(self, module_name: str, world_size: int = 4, setup_rpc: bool = True, **options: Any):
         self.world_size = world_size
         self.module_name = module_name
         ctx = mp.get_context("spawn")
@@ -84,7 +92,8 @@ class SpmdGroup:
         self.processes = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            process = ctx.Process(target=_worker, args=(rank, world_size, pg_port, rpc_port, module_name, options, child), daemon=True)
+            process = ctx.Process(target=_worker, args=(rank, world_size, pg_port, rpc_port, module_name, options, child,
+                                                        setup_rpc), daemon=True)
             process.start()
             self.conns.append(parent)
             self.processes.append(process)
@@ -162,8 +171,9 @@ def group_fixture(module_name: str, **options: Any):
 
 def make_tests(cases_module: Any, classes: list[str], **options: Any) -> dict:
     """One pytest test per ``test_*`` method of ``classes``, named as the method. Methods
-    marked ``_gpus`` skip without that many CUDA devices; ``_destructive`` ones get a group
-    of their own."""
+    marked ``_gpus`` skip without that many CUDA devices; ``_destructive`` ones, and those
+    marked ``_setup_rpc = False`` (they start and stop RPC themselves, with the case's
+    ``rpc_backend`` and ``rpc_backend_options``), get a group of their own."""
     tests = {}
     for class_name in classes:
         klass = getattr(cases_module, class_name)
@@ -181,12 +191,13 @@ def _make_test(module_name: str, class_name: str, name: str, function: Any, opti
     gpus = getattr(function, "_gpus", 0)
     destructive = getattr(function, "_destructive", False)
     own_options = getattr(function, "_options", None)  # torch's dist_init(faulty_messages=...)
+    setup_rpc = getattr(function, "_setup_rpc", True)  # False: the test starts RPC itself
 
     def test(shared_group):
         if gpus and (torch.cuda.device_count() if torch.cuda.is_available() else 0) < gpus:
             pytest.skip(f"needs {gpus} CUDA device(s)")
-        if destructive or own_options is not None:
-            group = SpmdGroup(module_name, 4, **{**options, **(own_options or {})})
+        if destructive or own_options is not None or not setup_rpc:
+            group = SpmdGroup(module_name, 4, setup_rpc, **{**options, **(own_options or {})})
             try:
                 group.run(class_name, name, destructive=destructive)
             finally:

@@ -8,7 +8,10 @@ from . import dist_autograd_cases
 from .spmd import group_fixture, make_tests
 
 OPTIONS = {"num_worker_threads": 8, "rpc_timeout": 60, "peer_timeout": 5}
-CLASSES = ["DistAutogradTest", "TensorPipeAgentDistAutogradTest", "CudaDistAutogradTest", "TensorPipeCudaDistAutogradTest"]
+CLASSES = [
+    "DistAutogradTest", "TensorPipeAgentDistAutogradTest", "CudaDistAutogradTest", "TensorPipeCudaDistAutogradTest",
+    "OwnRpcDistAutogradTest",
+]
 
 pytestmark = pytest.mark.timeout(300)
 shared_group = group_fixture("tests.dist_autograd_cases", **OPTIONS)
