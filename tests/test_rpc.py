@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import threading
 import time
 
@@ -455,6 +456,10 @@ def test_remote_and_rref_basics(group):
     assert torch.equal(local.to_here(), torch.ones(3))
     own = rpc.remote("worker0", f.my_function, args=(1, 2, 3))  # remote to ourselves: we own it
     assert own.is_owner() and own.to_here() == 6
+    # torch's test_rref_str format (the local ids depend on what this worker made before).
+    unique_id = r"GloballyUniqueId\(created_on=0, local_id=\d+\)"
+    assert re.fullmatch(rf"OwnerRRef\({unique_id}\)", str(local))
+    assert re.fullmatch(rf"UserRRef\(RRefId = {unique_id}, ForkId = {unique_id}\)", str(rref))
 
 
 @pytest.mark.parametrize("blocking", [True, False])

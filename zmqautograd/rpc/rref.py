@@ -407,9 +407,12 @@ class RRef:
 
         return _Proxy(self, api.remote, timeout)
 
-    def __repr__(self) -> str:
-        kind = "OwnerRRef" if self.is_owner() else "UserRRef"
-        return f"{kind}(RRefId = {self.rref_id}, ForkId = {self.fork_id}, owner = {self.owner_id})"
+    def __str__(self) -> str:  # torch's format (py_rref.cpp)
+        if self.is_owner():
+            return f"OwnerRRef({_unique_id(self.rref_id)})"
+        return f"UserRRef(RRefId = {_unique_id(self.rref_id)}, ForkId = {_unique_id(self.fork_id)})"
+
+    __repr__ = __str__
 
     def __reduce__(self):
         raise RuntimeError("RRefs travel in RPC arguments and results, not through pickle")
@@ -427,6 +430,11 @@ class RRef:
                 context.release_later(("user", self.owner_id, self.rref_id, self.fork_id))
         except Exception:  # interpreter shutdown
             pass
+
+
+def _unique_id(rref_or_fork_id: tuple) -> str:
+    created_on, local_id = rref_or_fork_id
+    return f"GloballyUniqueId(created_on={created_on}, local_id={local_id})"
 
 
 class _Proxy:
