@@ -173,6 +173,20 @@ def test_reading_a_peers_memory_needs_the_challenge_where_it_says():
         lending.Reader.verify(os.getpid(), offer.message(), os.urandom(lending.CHALLENGE_BYTES))
     with pytest.raises(OSError):
         lending.Reader.verify(os.getpid(), 4096, challenge)
+    # A buffer that ends in an unmapped page: the kernel copies the mapped part, then the
+    # next read from there fails; the whole read fails with EFAULT.
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    page = os.sysconf("SC_PAGE_SIZE")
+    address = libc.mmap(None, 2 * page, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+    ctypes.memset(address, 7, page)
+    assert libc.munmap(ctypes.c_void_p(address + page), ctypes.c_size_t(page)) == 0
+    assert torch.equal(reader.read(address, page), torch.full((page,), 7, dtype=torch.uint8))
+    with pytest.raises(OSError) as caught:
+        reader.read(address, 2 * page)
+    assert caught.value.errno == errno.EFAULT
+    libc.munmap(ctypes.c_void_p(address), ctypes.c_size_t(page))
     # Another host, or a malformed HELLO: no offer.
     assert lending.Offer.from_hello({"lend": {"host": "elsewhere", "pid": 1, "challenge": challenge}}, lending.host_key()) is None
     assert lending.Offer.from_hello({"lend": {"host": lending.host_key(), "pid": 1, "challenge": b"short"}}, lending.host_key()) is None

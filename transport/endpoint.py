@@ -160,9 +160,9 @@ class _Peer:
     waiting: deque = field(default_factory=deque)  # (message_id, frames) held until HELLO
     lost_error: PeerLostError | None = None
     ready: threading.Event = field(default_factory=threading.Event)
-    # Lending (transport/lending.py): whether it reads our big buffers; its right-to-read
-    # our challenge won; what we lent it, by transfer id, until it releases them; the
-    # buffer holding its challenge until it has read it.
+    # Lending (transport/lending.py): whether it reads our big buffers; our right to read
+    # its memory, won with our challenge; what we lent it, by transfer id, until it releases
+    # them; our offer to it (its challenge in our memory, and the pid its HELLO named).
     lend: bool = False
     reader: Reader | None = None
     lent: dict = field(default_factory=dict)
@@ -910,7 +910,7 @@ class Endpoint:
             elif kind is MessageType.LEND_OFFER:
                 self._lend_offered(record, envelope)
             elif kind is MessageType.LEND_READY:
-                record.lend, record.offer = True, None
+                record.lend = record.offer is not None  # it read what we offered it
             return
         self._received += 1
         if self._on_envelope is not None and self._on_envelope(peer, envelope):
