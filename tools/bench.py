@@ -13,7 +13,9 @@ of processes (set to one intra-op thread each), the groups alternating round by 
 TensorPipe, zmqautograd, zmqautograd with the opt-in ``busy_poll``, and the *floor* of a
 pure-Python design (tools/floor.py: raw pyzmq and zmqautograd's codec, one thread a side, no
 RPC layer), whose throughput says how far beyond TensorPipe's such a design can get at all on
-this machine.
+this machine, and the floor of a same-host design without sockets (tools/shm_floor.py:
+shared-memory rings read by spinning threads, as TensorPipe's same-host transport), for
+latency and throughput.
 
 The last column of each table is the share of the machine's CPU time the hypervisor stole
 while that row was measured (tools/machine.py): on a shared VM, the slow runs are the runs
@@ -42,7 +44,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import zmqautograd.autograd as zmq_autograd  # noqa: E402
 import zmqautograd.rpc as zmq_rpc  # noqa: E402
-from tools import floor  # noqa: E402
+from tools import floor, shm_floor  # noqa: E402
 from tools.machine import StealMeter, percent  # noqa: E402
 
 WORLD = 4
@@ -167,6 +169,8 @@ STANDALONE = {  # name -> (framework, zmqautograd's busy_poll)
     f"zmqautograd, busy_poll={BUSY_POLL}": ("zmq", BUSY_POLL),
     # No RPC layer at all: what any pure-Python design over ZeroMQ pays per call (tools/floor.py).
     "floor: raw pyzmq + our codec": ("floor", 0.0),
+    # Nor sockets: shared-memory rings read by spinning threads (tools/shm_floor.py).
+    "floor: shared memory, spinning": ("shm", 0.0),
 }
 # (title, "time" or "rate") of the standalone table's columns, in run_alone's order.
 STANDALONE_COLUMNS = (
@@ -190,6 +194,9 @@ def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -
     torch.set_num_threads(1)
     if framework == "floor":
         _floor_alone(rank, port, results)
+        return
+    if framework == "shm":
+        _shm_floor_alone(rank, port, results)
         return
     if framework == "tp":
         os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -230,6 +237,22 @@ def _floor_alone(rank: int, port: int, results) -> None:
         client.close()
 
 
+def _shm_floor_alone(rank: int, name: str, results) -> None:
+    """run_alone for the shared-memory floor (``name``: its memory, made by ``standalone``):
+    rank 1 serves, rank 0 measures small-call latency and throughput."""
+    if rank == 1:
+        shm_floor.serve(name)
+        return
+    client = shm_floor.Client(name)
+    try:
+        small_latency(client, 200)  # warm-up
+        client.throughput(2)
+        results.put((statistics.median(small_latency(client, 200) for _ in range(5)),
+                     statistics.median(client.throughput(10) for _ in range(5)), None, None))
+    finally:
+        client.close()
+
+
 def standalone(rounds: int) -> None:
     results = mp.get_context("spawn").SimpleQueue()
     samples: dict[str, list] = {name: [] for name in STANDALONE}
@@ -237,7 +260,14 @@ def standalone(rounds: int) -> None:
     for _ in range(rounds):
         for name, (framework, busy_poll) in STANDALONE.items():
             steal = StealMeter()
-            mp.spawn(run_alone, args=(framework, busy_poll, _free_port(), results), nprocs=2)
+            memory = shm_floor.create() if framework == "shm" else None
+            try:
+                where = memory.name if memory is not None else _free_port()
+                mp.spawn(run_alone, args=(framework, busy_poll, where, results), nprocs=2)
+            finally:
+                if memory is not None:
+                    memory.close()
+                    memory.unlink()
             samples[name].append(results.get())
             stolen[name].append(steal.share())
     print(f"\neach framework alone, 2 processes, torch.set_num_threads(1) ({rounds} alternating rounds;"
@@ -247,7 +277,7 @@ def standalone(rounds: int) -> None:
     for name, values in samples.items():
         cells = []
         for i, (_, kind) in enumerate(STANDALONE_COLUMNS):
-            if values[0][i] is None:  # the floor measures throughput only (_floor_alone)
+            if values[0][i] is None:  # the floors measure what they can (_floor_alone, _shm_floor_alone)
                 cells.append(f"{'-':>24}")
                 continue
             median = statistics.median(v[i] for v in values)

@@ -1,0 +1,169 @@
+"""The floor of a same-host design that bypasses sockets: calls encoded with zmqautograd's codec
+through a shared-memory ring, read by threads that spin instead of sleeping.
+
+TensorPipe's same-host transport works this way (a ring in shared memory and a thread that
+busy-polls). On this project's VM, a thread woken from a cross-process wait runs 3-5x slower
+and every wake-up costs hundreds of microseconds (README, "Where the time goes"), so a design
+whose readers never sleep is what it takes to beat TensorPipe's small-call latency by 2x.
+This measures what such a design cannot go below, with no RPC layer at all: one thread on
+each side, spinning on a single-producer single-consumer ring per direction (``sched_yield``
+between polls), encoding and decoding exactly as ``tools/floor.py`` does over ZeroMQ.
+
+Not part of the runtime: a measurement for the decision whether to build such a transport
+(it costs a CPU per process while it spins). ``tools/bench.py`` runs it in its standalone
+table, next to TensorPipe.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+from transport import Message, MessageType
+from zmqautograd.rpc.serialization import RpcCodec, encode_function, resolve_function
+
+_STOP = "stop"
+_RING_BYTES = 1 << 20  # data bytes of each direction's ring
+_HEADER = 128  # head (read position) at 0, tail (write position) at 64: separate cache lines
+_WRAP = 0xFFFFFFFF  # a record length that says: continue at the start of the ring
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_yield = os.sched_yield
+
+
+class Ring:
+    """One direction: a single writer appends length-prefixed records, a single reader takes
+    them. Positions only grow; x86 keeps stores in order, so a reader that sees the new tail
+    sees the record written before it (this is a measurement on x86, not portable code)."""
+
+    def __init__(self, buffer: memoryview, offset: int):
+        self._buffer = buffer
+        self._head = offset
+        self._tail = offset + 64
+        self._data = offset + _HEADER
+
+    def put(self, frames: list) -> None:
+        parts = [_U32.pack(len(frames))]
+        for frame in frames:
+            raw = bytes(frame)
+            parts += (_U32.pack(len(raw)), raw)
+        record = b"".join(parts)
+        size = 4 + len(record)
+        if size > _RING_BYTES // 2:
+            raise ValueError("record too large for the ring")
+        buffer = self._buffer
+        tail = _U64.unpack_from(buffer, self._tail)[0]
+        at = tail % _RING_BYTES
+        if at + size > _RING_BYTES:  # no room before the end: mark a wrap, start again at 0
+            self._wait_room(tail, _RING_BYTES - at + size)
+            _U32.pack_into(buffer, self._data + at, _WRAP)
+            tail += _RING_BYTES - at
+            at = 0
+        else:
+            self._wait_room(tail, size)
+        _U32.pack_into(buffer, self._data + at, len(record))
+        buffer[self._data + at + 4:self._data + at + size] = record
+        _U64.pack_into(buffer, self._tail, tail + size)  # last: publishes the record
+
+    def _wait_room(self, tail: int, size: int) -> None:
+        while tail + size - _U64.unpack_from(self._buffer, self._head)[0] > _RING_BYTES:
+            _yield()
+
+    def get(self) -> list[bytes]:
+        buffer = self._buffer
+        head = _U64.unpack_from(buffer, self._head)[0]
+        while _U64.unpack_from(buffer, self._tail)[0] == head:
+            _yield()
+        at = head % _RING_BYTES
+        length = _U32.unpack_from(buffer, self._data + at)[0]
+        if length == _WRAP:
+            head += _RING_BYTES - at
+            at = 0
+            length = _U32.unpack_from(buffer, self._data)[0]
+        record = bytes(buffer[self._data + at + 4:self._data + at + 4 + length])
+        _U64.pack_into(buffer, self._head, head + 4 + length)
+        count = _U32.unpack_from(record, 0)[0]
+        frames, position = [], 4
+        for _ in range(count):
+            size = _U32.unpack_from(record, position)[0]
+            frames.append(record[position + 4:position + 4 + size])
+            position += 4 + size
+        return frames
+
+
+def _rings(memory: shared_memory.SharedMemory) -> tuple[Ring, Ring]:
+    """(requests, answers)."""
+    span = _HEADER + _RING_BYTES
+    return Ring(memory.buf, 0), Ring(memory.buf, span)
+
+
+def create() -> shared_memory.SharedMemory:
+    """The shared memory of both rings, zeroed; pass its ``name`` to ``serve`` and
+    ``Client``, and ``close()`` and ``unlink()`` it when both are done."""
+    memory = shared_memory.SharedMemory(create=True, size=2 * (_HEADER + _RING_BYTES))
+    memory.buf[:] = bytes(memory.size)
+    return memory
+
+
+def serve(name: str) -> None:
+    """Answer calls on the rings in shared memory ``name`` until told to stop."""
+    memory = shared_memory.SharedMemory(name=name)
+    requests, answers = _rings(memory)
+    codec = RpcCodec(allow_pickle=False)
+    try:
+        while True:
+            envelope = codec.decode_envelope(requests.get())
+            payload = codec.decode_payload(envelope)
+            value = None if payload == _STOP else resolve_function(payload["f"])(*payload["a"], **payload["k"])
+            answers.put(codec.encode(Message(MessageType.PYTHON_RET, envelope.id, "1", {"v": value})))
+            if payload == _STOP:
+                return
+    finally:
+        del requests, answers  # they hold views of the memory, which must go before close
+        memory.close()
+
+
+class Client:
+    """The calling side, with the interface tools/bench.py measures (``rpc_sync``,
+    ``throughput``)."""
+
+    def __init__(self, name: str):
+        self._memory = shared_memory.SharedMemory(name=name)
+        self._requests, self._answers = _rings(self._memory)
+        self._codec = RpcCodec(allow_pickle=False)
+        self._ids = 0
+
+    def _send(self, function: Any, args: tuple) -> None:
+        self._ids += 1
+        payload = {"f": encode_function(function), "a": tuple(args), "k": {}}
+        self._requests.put(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", payload)))
+
+    def _receive(self) -> Any:
+        envelope = self._codec.decode_envelope(self._answers.get())
+        return self._codec.decode_payload(envelope)["v"]
+
+    def rpc_sync(self, to: str, function: Any, args: tuple = ()) -> Any:
+        self._send(function, args)
+        return self._receive()
+
+    def throughput(self, batches: int, in_flight: int = 64) -> float:
+        x = torch.zeros(2)
+        start = time.perf_counter()
+        for _ in range(batches):
+            for _ in range(in_flight):
+                self._send(torch.add, (x, 1))
+            for _ in range(in_flight):
+                self._receive()
+        return batches * in_flight / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._ids += 1
+        self._requests.put(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", _STOP)))
+        self._receive()
+        del self._requests, self._answers
+        self._memory.close()
