@@ -198,3 +198,25 @@ def pass_on_and_count_loans(value, target):
     back = rpc.rpc_sync(target, echo, args=(value,))
     stats = rpc._get_current_rpc_agent().endpoint.stats()[str(rpc.get_worker_info(target).id)]
     return back, stats.buffers_lent, stats.buffers_borrowed
+
+
+def double_and_pass_on(value, target):
+    """``value * 2`` from ``target`` (a nested call that lends both ways when big)."""
+    import zmqautograd.rpc as rpc
+
+    return rpc.rpc_sync(target, torch.mul, args=(value, 2))
+
+
+def buffers_on_loan():
+    """This worker's count of buffers lent and not yet released, over all its peers."""
+    import zmqautograd.rpc as rpc
+
+    return sum(stats.buffers_on_loan for stats in rpc._get_current_rpc_agent().endpoint.stats().values())
+
+
+def call_each(names):
+    """A call from this worker to each of ``names``: it travels behind every message this
+    worker sent them before (its releases of lent buffers among them)."""
+    import zmqautograd.rpc as rpc
+
+    return [rpc.rpc_sync(name, whoami) for name in names]

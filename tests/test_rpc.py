@@ -65,6 +65,89 @@ def test_big_tensors_between_workers_on_one_host_are_lent(group):
     assert after.buffers_lent - before.buffers_lent == 2 and after.buffers_borrowed - before.buffers_borrowed == 2
 
 
+def test_lending_under_concurrent_calls_keeps_every_byte_and_releases_every_loan(group):
+    """Four threads send tensors around the lending threshold to three workers at once, some
+    passed on to a fourth worker and back; every result is exact, and afterwards no worker
+    holds a buffer on loan."""
+    generator = torch.Generator().manual_seed(5)
+    sizes = [(1 << 18) - 1, 1 << 18, 3 << 18, 1 << 20]  # floats: just under, at and over 1 MiB
+    jobs = [(torch.randn(sizes[i % 4], generator=generator), f"worker{1 + i % 3}", i % 2 == 0) for i in range(48)]
+    errors: list[BaseException] = []
+
+    def run(part: list) -> None:
+        try:
+            futures = [
+                rpc.rpc_async(to, f.double_and_pass_on, args=(x, "worker0" if to != "worker1" else "worker2"))
+                if nested else rpc.rpc_async(to, torch.mul, args=(x, 2))
+                for x, to, nested in part
+            ]
+            for (x, _, _), future in zip(part, futures):
+                assert torch.equal(future.wait(), x * 2)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(jobs[i::4],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors[0]
+    # A reader releases a loan when it reads it, ahead of anything it sends the lender later:
+    # once every worker has called every other, no worker holds anything on loan.
+    for name in group.names:
+        assert rpc.rpc_sync(name, f.call_each, args=(group.names,)) == group.names
+    assert [rpc.rpc_sync(name, f.buffers_on_loan) for name in group.names] == [0] * len(group.names)
+
+
+def test_a_function_whose_module_another_thread_is_importing_resolves_once_it_is_imported(tmp_path, monkeypatch):
+    """The first calls of a burst run on several pool threads, which all resolve the function
+    of a module nobody imported yet: the later ones must wait for the import, not find the
+    half-initialised module in sys.modules and fail ('partially initialized module')."""
+    import sys
+    import types
+
+    from zmqautograd.rpc.serialization import FunctionRef, resolve_function
+
+    gate = types.ModuleType("za_import_gate")
+    gate.started, gate.release = threading.Event(), threading.Event()
+    monkeypatch.setitem(sys.modules, "za_import_gate", gate)
+    (tmp_path / "za_slow_module.py").write_text(
+        "import za_import_gate\nza_import_gate.started.set()\nza_import_gate.release.wait(30)\n"
+        "def answer():\n    return 42\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "za_slow_module", raising=False)
+    results: dict[str, object] = {}
+
+    def resolve(key: str) -> None:
+        try:
+            results[key] = resolve_function(FunctionRef("za_slow_module", "answer"))()
+        except Exception as exc:  # the bug: AttributeError wrapped in SerializationError
+            results[key] = exc
+
+    first = threading.Thread(target=resolve, args=("first",))
+    first.start()
+    assert gate.started.wait(30)  # the module is in sys.modules, its body not finished
+    second = threading.Thread(target=resolve, args=("second",))
+    second.start()
+    # Let the import finish once the second thread waits for it (or has already failed).
+    deadline = time.monotonic() + 30
+    while second.is_alive() and time.monotonic() < deadline:
+        frames = sys._current_frames().get(second.ident)
+        names = set()
+        while frames is not None:
+            names.add(frames.f_code.co_name)
+            frames = frames.f_back
+        if "_find_and_load" in names:
+            break
+        time.sleep(0.001)
+    gate.release.set()
+    first.join(30)
+    second.join(30)
+    assert results == {"first": 42, "second": 42}
+    monkeypatch.delitem(sys.modules, "za_slow_module", raising=False)
+
+
 def test_wrong_types_and_invalid_names():
     """torch's test_wrong_types and test_invalid_names (no group needed: all fail before)."""
     with pytest.raises(TypeError, match="Argument backend must be a member of BackendType"):

@@ -30,7 +30,12 @@ EXT_FUNCTION = 17
 
 
 def _resolve(module: str, qualname: str) -> Any:
-    obj: Any = sys.modules.get(module) or importlib.import_module(module)
+    obj: Any = sys.modules.get(module)
+    if obj is None or getattr(getattr(obj, "__spec__", None), "_initializing", False):
+        # Not imported yet, or another thread is importing it right now (the first calls of a
+        # burst, on several pool threads): import_module waits for that import to finish, where
+        # the module in sys.modules would still lack what its body has not defined yet.
+        obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj
