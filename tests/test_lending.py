@@ -6,10 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import queue
-import time
 
-import msgpack
 import pytest
 import torch
 import zmq
