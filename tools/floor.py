@@ -27,6 +27,15 @@ from zmqautograd.rpc.serialization import RpcCodec, encode_function, resolve_fun
 _STOP = "stop"
 
 
+def answer(codec: RpcCodec, frames: list) -> tuple[list, bool]:
+    """The encoded answer to the call in ``frames``, and whether that call said to stop."""
+    envelope = codec.decode_envelope(frames)
+    payload = codec.decode_payload(envelope)
+    stop = payload == _STOP
+    value = None if stop else resolve_function(payload["f"])(*payload["a"], **payload["k"])
+    return codec.encode(Message(MessageType.PYTHON_RET, envelope.id, "1", {"v": value})), stop
+
+
 def serve(port: int) -> None:
     """Answer calls on ``tcp://127.0.0.1:port`` until told to stop (on the calling thread)."""
     codec = RpcCodec(allow_pickle=False)
@@ -34,40 +43,37 @@ def serve(port: int) -> None:
     router = context.socket(zmq.ROUTER)
     router.bind(f"tcp://127.0.0.1:{port}")
     try:
-        while True:
+        stop = False
+        while not stop:
             frames = router.recv_multipart(copy=False)
-            envelope = codec.decode_envelope(frames[1:])
-            payload = codec.decode_payload(envelope)
-            if payload == _STOP:
-                router.send_multipart([frames[0], *codec.encode(Message(MessageType.PYTHON_RET, envelope.id, "1", {"v": None}))])
-                return
-            value = resolve_function(payload["f"])(*payload["a"], **payload["k"])
-            answer = Message(MessageType.PYTHON_RET, envelope.id, "1", {"v": value})
-            router.send_multipart([frames[0], *codec.encode(answer)])
+            reply, stop = answer(codec, frames[1:])
+            router.send_multipart([frames[0], *reply])
     finally:
         router.close(linger=0)
         context.term()
 
 
-class Client:
-    """The calling side: ``rpc_sync`` and a batch of calls in flight, as the RPC benchmarks
-    make them."""
+class CallingSide:
+    """The calling side of a floor: ``rpc_sync`` and a batch of calls in flight, as the RPC
+    benchmarks make them. Subclasses move the frames (``_put``, ``_get``)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self) -> None:
         self._codec = RpcCodec(allow_pickle=False)
-        self._context = zmq.Context()
-        self._dealer = self._context.socket(zmq.DEALER)
-        self._dealer.connect(f"tcp://127.0.0.1:{port}")
         self._ids = 0
+
+    def _put(self, frames: list) -> None:
+        raise NotImplementedError
+
+    def _get(self) -> list:
+        raise NotImplementedError
 
     def _send(self, function: Any, args: tuple) -> None:
         self._ids += 1
         payload = {"f": encode_function(function), "a": tuple(args), "k": {}}
-        self._dealer.send_multipart(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", payload)))
+        self._put(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", payload)))
 
     def _receive(self) -> Any:
-        envelope = self._codec.decode_envelope(self._dealer.recv_multipart(copy=False))
-        return self._codec.decode_payload(envelope)["v"]
+        return self._codec.decode_payload(self._codec.decode_envelope(self._get()))["v"]
 
     def rpc_sync(self, to: str, function: Any, args: tuple = ()) -> Any:
         self._send(function, args)
@@ -85,12 +91,29 @@ class Client:
                 self._receive()
         return batches * in_flight / (time.perf_counter() - start)
 
+    def _stop(self) -> None:
+        """Tell the serving side to return (after its answer)."""
+        self._ids += 1
+        self._put(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", _STOP)))
+        self._receive()
+
+
+class Client(CallingSide):
+    """The calling side over a ZeroMQ DEALER."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__()
+        self._context = zmq.Context()
+        self._dealer = self._context.socket(zmq.DEALER)
+        self._dealer.connect(f"tcp://127.0.0.1:{port}")
+
+    def _put(self, frames: list) -> None:
+        self._dealer.send_multipart(frames)
+
+    def _get(self) -> list:
+        return self._dealer.recv_multipart(copy=False)
+
     def close(self) -> None:
         self._stop()
         self._dealer.close(linger=0)
         self._context.term()
-
-    def _stop(self) -> None:
-        self._ids += 1
-        self._dealer.send_multipart(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", _STOP)))
-        self._receive()

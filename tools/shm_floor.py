@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import os
 import struct
-import time
 from multiprocessing import shared_memory
-from typing import Any
 
-import torch
+from tools.floor import CallingSide, answer
+from zmqautograd.rpc.serialization import RpcCodec
 
-from transport import Message, MessageType
-from zmqautograd.rpc.serialization import RpcCodec, encode_function, resolve_function
-
-_STOP = "stop"
 _RING_BYTES = 1 << 20  # data bytes of each direction's ring
 _HEADER = 128  # head (read position) at 0, tail (write position) at 64: separate cache lines
 _WRAP = 0xFFFFFFFF  # a record length that says: continue at the start of the ring
@@ -116,54 +111,30 @@ def serve(name: str) -> None:
     requests, answers = _rings(memory)
     codec = RpcCodec(allow_pickle=False)
     try:
-        while True:
-            envelope = codec.decode_envelope(requests.get())
-            payload = codec.decode_payload(envelope)
-            value = None if payload == _STOP else resolve_function(payload["f"])(*payload["a"], **payload["k"])
-            answers.put(codec.encode(Message(MessageType.PYTHON_RET, envelope.id, "1", {"v": value})))
-            if payload == _STOP:
-                return
+        stop = False
+        while not stop:
+            reply, stop = answer(codec, requests.get())
+            answers.put(reply)
     finally:
         del requests, answers  # they hold views of the memory, which must go before close
         memory.close()
 
 
-class Client:
-    """The calling side, with the interface tools/bench.py measures (``rpc_sync``,
-    ``throughput``)."""
+class Client(CallingSide):
+    """The calling side over the rings (tools/floor.py's ``CallingSide``)."""
 
     def __init__(self, name: str):
+        super().__init__()
         self._memory = shared_memory.SharedMemory(name=name)
         self._requests, self._answers = _rings(self._memory)
-        self._codec = RpcCodec(allow_pickle=False)
-        self._ids = 0
 
-    def _send(self, function: Any, args: tuple) -> None:
-        self._ids += 1
-        payload = {"f": encode_function(function), "a": tuple(args), "k": {}}
-        self._requests.put(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", payload)))
+    def _put(self, frames: list) -> None:
+        self._requests.put(frames)
 
-    def _receive(self) -> Any:
-        envelope = self._codec.decode_envelope(self._answers.get())
-        return self._codec.decode_payload(envelope)["v"]
-
-    def rpc_sync(self, to: str, function: Any, args: tuple = ()) -> Any:
-        self._send(function, args)
-        return self._receive()
-
-    def throughput(self, batches: int, in_flight: int = 64) -> float:
-        x = torch.zeros(2)
-        start = time.perf_counter()
-        for _ in range(batches):
-            for _ in range(in_flight):
-                self._send(torch.add, (x, 1))
-            for _ in range(in_flight):
-                self._receive()
-        return batches * in_flight / (time.perf_counter() - start)
+    def _get(self) -> list:
+        return self._answers.get()
 
     def close(self) -> None:
-        self._ids += 1
-        self._requests.put(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", _STOP)))
-        self._receive()
+        self._stop()
         del self._requests, self._answers
         self._memory.close()
