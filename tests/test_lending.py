@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import time
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ import zmq
 from transport import Message, MessageType
 from transport import lending
 from transport.codec import Codec
+from transport.endpoint import Endpoint
+from transport.faults import FaultPolicy
 from transport.errors import LocalProtocolError, RemoteProtocolError
 
 from .test_endpoint import Client
@@ -141,6 +144,39 @@ def test_lent_buffers_from_a_peer_that_never_proved_it_shares_our_host_are_refus
     finally:
         raw.close(0)
         context.term()
+
+
+def test_a_partition_injected_after_a_loan_does_not_keep_the_lent_buffer_for_ever():
+    """A partition drops everything from the peer, but not the release of a buffer lent to it
+    before: dropping that would only leak the buffer (fault-injection runs heal partitions)."""
+    policy = FaultPolicy()
+    lender = Endpoint("lender", faults=policy, on_message=lambda message: None)
+    borrower = Endpoint("borrower")  # pull-style: a message is decoded (and read) in recv()
+    try:
+        lender.connect("borrower", borrower.address)
+        lender.wait_for_peer("borrower", 10)
+        big = torch.randn(1 << 20)
+        # The lender learns that the borrower can read it once the handshake is through; a
+        # first message may still go through the socket.
+        deadline = time.monotonic() + 10
+        while lender.stats()["borrower"].buffers_lent == 0 and time.monotonic() < deadline:
+            lender.send("borrower", Message(MessageType.PYTHON_CALL, 1, "lender", big))
+            assert torch.equal(borrower.recv(10).payload, big)
+        assert lender.stats()["borrower"].buffers_lent >= 1
+        deadline = time.monotonic() + 10
+        while lender.stats()["borrower"].buffers_on_loan and time.monotonic() < deadline:
+            time.sleep(0.005)  # the release of the last one is on its way
+        lender.send("borrower", Message(MessageType.PYTHON_CALL, 2, "lender", big))
+        policy.partition("borrower")
+        assert lender.stats()["borrower"].buffers_on_loan == 1
+        assert torch.equal(borrower.recv(10).payload, big)  # read now, and released
+        deadline = time.monotonic() + 10
+        while lender.stats()["borrower"].buffers_on_loan and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert lender.stats()["borrower"].buffers_on_loan == 0
+    finally:
+        lender.close()
+        borrower.close()
 
 
 def test_the_table_checks_every_entry_against_the_frames():

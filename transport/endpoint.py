@@ -880,7 +880,11 @@ class Endpoint:
             self._protocol_error(routing_id, peer, None, exc)
             return
         if self.faults is not None and self.faults.is_partitioned(peer):
-            return  # injected partition: nothing gets through, heartbeats included
+            # Injected partition: nothing gets through, heartbeats included; but releases of
+            # buffers we lent before it are applied, as dropping them would only leak those.
+            if envelope.type is MessageType.LEND_RELEASE and peer in self._peers:
+                self._lend_released(self._peers[peer], envelope)
+            return
         record = self._peers.get(peer)
         stats = self._stats.get(peer)
         if envelope.type is MessageType.HELLO:
