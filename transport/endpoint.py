@@ -393,12 +393,16 @@ class Endpoint:
                     self._post_locked(("send", peer, message_id, frames, nbytes))
                 return
             self._send_to_peer(peer, message_id, frames, nbytes)
-            # Our send may have consumed the ROUTER's edge-triggered wake-up for input that
-            # arrived meanwhile, or found the connection gone: then the I/O thread must look.
-            needs_io = bool(self._router.get(_EVENTS) & _POLLIN) or bool(self._closing)
+            needs_io = self._io_needed_after_send()
         if needs_io and self._io_asleep:
             with self._lock:
                 self._wake_io_locked()
+
+    def _io_needed_after_send(self) -> bool:
+        """Whether the I/O thread must look after a send on another thread (socket lock
+        held): the send may have consumed the ROUTER's edge-triggered wake-up for input that
+        arrived meanwhile, or found the connection gone."""
+        return bool(self._router.get(_EVENTS) & _POLLIN) or bool(self._closing)
 
     def recv(self, timeout: float | None = None) -> Message:
         """The next incoming message (only without ``on_message``). A message whose payload
@@ -1027,9 +1031,10 @@ class Endpoint:
             return  # the I/O thread sends it on its next turn (a heartbeat interval at most)
         if self._socket_lock.acquire(blocking=False):
             try:
+                needs_io = False
                 if self._router_open:
                     self._send_releases()
-                needs_io = bool(self._router.get(_EVENTS) & _POLLIN) if self._router_open else False
+                    needs_io = self._io_needed_after_send()
             finally:
                 self._socket_lock.release()
             if needs_io and self._io_asleep:

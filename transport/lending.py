@@ -45,6 +45,7 @@ from typing import Any
 import msgpack
 import torch
 
+from .codec import _frame_bytes
 from .errors import RemoteProtocolError
 from .tensors import as_buffer
 
@@ -164,16 +165,14 @@ def encode_table(entries: list[list[int]]) -> bytes:
 def is_table(frame: Any) -> bool:
     """Whether a message's first frame is a lent-buffer table rather than an envelope."""
     # A received frame keeps its bytes once made, and the envelope decoder wants them anyway.
-    raw = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
-    return raw[:1] == _MARK_BYTE
+    return _frame_bytes(frame)[:1] == _MARK_BYTE
 
 
 def decode_table(frame: Any, buffer_frames: list) -> list[tuple[int, int, int, int]]:
     """``(frame_index, transfer_id, address, nbytes)`` of each lent buffer, checked against the
     message's buffer frames (those after the envelope). Raises RemoteProtocolError."""
-    raw = frame.bytes if hasattr(frame, "bytes") else bytes(frame)
     try:
-        entries = msgpack.unpackb(raw[1:], use_list=True, raw=False)
+        entries = msgpack.unpackb(_frame_bytes(frame)[1:], use_list=True, raw=False)
     except Exception as exc:  # msgpack raises many types for garbage; all mean the same
         raise RemoteProtocolError(f"lent-buffer table is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(entries, list) or not entries:

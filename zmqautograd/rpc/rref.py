@@ -372,14 +372,7 @@ class RRef:
                 self._check_created()
                 asked = api.rpc_async(self.owner(), _type_on_owner, args=(self,), timeout=timeout)
                 future = torch.futures.Future()  # not asked.then(): it would wrap the owner's error
-
-                def resolve(done: torch.futures.Future) -> None:
-                    try:
-                        future.set_result(resolve_function(done.value()))
-                    except Exception as exc:
-                        future.set_exception(exc)
-
-                asked.add_done_callback(resolve)
+                asked.add_done_callback(lambda done: _settle(future, done, resolve_function))
             self._type_future = future
             future.add_done_callback(self._forget_failed_type)
         return future.wait() if blocking else future
@@ -489,11 +482,14 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
     context.set_created(rref_id)
 
 
-def _settle(target: torch.futures.Future, done: torch.futures.Future) -> None:
+def _settle(target: torch.futures.Future, done: torch.futures.Future, convert: Callable | None = None) -> None:
+    """Complete ``target`` as ``done`` completed (its value through ``convert``, if given),
+    unless it is complete already."""
     if target.done():
         return
     try:
-        target.set_result(done.value())
+        value = done.value()
+        target.set_result(value if convert is None else convert(value))
     except Exception as exc:  # noqa: BLE001 - the value's failure, for whoever fetches it
         target.set_exception(exc)
 
