@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import queue
 import time
 
 import pytest
@@ -150,26 +151,36 @@ def test_a_partition_injected_after_a_loan_does_not_keep_the_lent_buffer_for_eve
     """A partition drops everything from the peer, but not the release of a buffer lent to it
     before: dropping that would only leak the buffer (fault-injection runs heal partitions)."""
     policy = FaultPolicy()
-    lender = Endpoint("lender", faults=policy, on_message=lambda message: None)
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    lender = Endpoint("lender", faults=policy, on_message=lambda message: answers.put(message.id))
     borrower = Endpoint("borrower")  # pull-style: a message is decoded (and read) in recv()
+
+    def read_and_answer(message_id: int) -> None:
+        """The borrower reads the call (releasing the loan at once) and answers after: the
+        release travels ahead of the answer."""
+        assert torch.equal(borrower.recv(10).payload, big)
+        borrower.send("lender", Message(MessageType.PYTHON_RET, message_id, "borrower", None))
+
     try:
         lender.connect("borrower", borrower.address)
         lender.wait_for_peer("borrower", 10)
         big = torch.randn(1 << 20)
-        # The lender learns that the borrower can read it once the handshake is through; a
-        # first message may still go through the socket.
-        deadline = time.monotonic() + 10
-        while lender.stats()["borrower"].buffers_lent == 0 and time.monotonic() < deadline:
-            lender.send("borrower", Message(MessageType.PYTHON_CALL, 1, "lender", big))
-            assert torch.equal(borrower.recv(10).payload, big)
+        # The lender lends once it has the borrower's LEND_READY, which may come after the
+        # first calls: they go through the socket until then.
+        message_id = 0
+        while lender.stats()["borrower"].buffers_lent == 0 and message_id < 100:
+            message_id += 1
+            lender.send("borrower", Message(MessageType.PYTHON_CALL, message_id, "lender", big))
+            read_and_answer(message_id)
+            assert answers.get(timeout=10) == message_id
         assert lender.stats()["borrower"].buffers_lent >= 1
-        deadline = time.monotonic() + 10
-        while lender.stats()["borrower"].buffers_on_loan and time.monotonic() < deadline:
-            time.sleep(0.005)  # the release of the last one is on its way
-        lender.send("borrower", Message(MessageType.PYTHON_CALL, 2, "lender", big))
+        assert lender.stats()["borrower"].buffers_on_loan == 0  # released ahead of the answer
+        lender.send("borrower", Message(MessageType.PYTHON_CALL, 1000, "lender", big))
         policy.partition("borrower")
         assert lender.stats()["borrower"].buffers_on_loan == 1
-        assert torch.equal(borrower.recv(10).payload, big)  # read now, and released
+        assert torch.equal(borrower.recv(10).payload, big)  # read: the release goes out
+        # Nothing from the borrower can tell us the release arrived (the partition drops it
+        # all), so this waits on the count itself.
         deadline = time.monotonic() + 10
         while lender.stats()["borrower"].buffers_on_loan and time.monotonic() < deadline:
             time.sleep(0.005)
