@@ -48,6 +48,13 @@ def ensure_venv() -> None:
     STAMP.touch()
 
 
+def ensure_bench_extras() -> None:
+    """The benchmark's TensorPipe side needs numpy (pyproject.toml, extra "bench")."""
+    if subprocess.run([str(PYTHON), "-c", "import numpy"], capture_output=True).returncode != 0:
+        print("installing the benchmark's extras (numpy, for TensorPipe)", flush=True)
+        run(PYTHON, "-m", "pip", "install", "-q", "-e", ".[test,bench]")
+
+
 def main() -> int:
     commands = {
         "demo": [PYTHON, "tools/demo.py"],
@@ -60,6 +67,8 @@ def main() -> int:
         print(__doc__.strip())
         return 2
     ensure_venv()
+    if sys.argv[1] == "bench":
+        ensure_bench_extras()
     return subprocess.run([str(a) for a in commands[sys.argv[1]]], cwd=ROOT).returncode
 
 

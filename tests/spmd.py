@@ -82,10 +82,25 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
     del dist_autograd
 
 
+class _PortTaken(RuntimeError):
+    """A worker could not bind a rendezvous port picked for the group."""
+
+
 class SpmdGroup:
     def __init__(self, module_name: str, world_size: int = 4, setup_rpc: bool = True, **options: Any):
         self.world_size = world_size
         self.module_name = module_name
+        for attempt in range(3):
+            try:
+                self._start(module_name, world_size, setup_rpc, options)
+                return
+            except _PortTaken:
+                # The ports were free when picked; something bound one before rank 0 did
+                # (another endpoint's ephemeral port): pick others.
+                if attempt == 2:
+                    raise
+
+    def _start(self, module_name: str, world_size: int, setup_rpc: bool, options: dict) -> None:
         ctx = mp.get_context("spawn")
         pg_port, rpc_port = _free_port(), _free_port()
         self.conns = []
@@ -101,7 +116,8 @@ class SpmdGroup:
             status, detail = self._receive(rank, conn, 120)
             if status != "ready":
                 self.kill()
-                raise RuntimeError(f"worker {rank} failed to start:\n{detail}")
+                error = _PortTaken if "EADDRINUSE" in str(detail) else RuntimeError
+                raise error(f"worker {rank} failed to start:\n{detail}")
 
     def _receive(self, rank: int, conn, timeout: float) -> tuple[str, Any]:
         if not conn.poll(timeout):

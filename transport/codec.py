@@ -103,8 +103,12 @@ class MessageType(int):
 
 
 # The transport's own control messages.
-# LEND_*: same-host lending of big buffers (transport/lending.py).
-_CONTROL_NAMES = ("HELLO", "HEARTBEAT", "GOODBYE", "PROTOCOL_ERROR", "LEND_OFFER", "LEND_READY", "LEND_RELEASE")
+# LEND_*: same-host lending of big buffers (transport/lending.py); SHM_*: same-host rings
+# (transport/shm.py).
+_CONTROL_NAMES = (
+    "HELLO", "HEARTBEAT", "GOODBYE", "PROTOCOL_ERROR", "LEND_OFFER", "LEND_READY", "LEND_RELEASE",
+    "SHM_OFFER", "SHM_START",
+)
 for _code, _name in enumerate(_CONTROL_NAMES, start=1):
     MessageType.register(_name, _code)
 CONTROL_TYPES = frozenset(MessageType.lookup(code) for code in range(1, len(_CONTROL_NAMES) + 1))

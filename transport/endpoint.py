@@ -50,6 +50,7 @@ import itertools
 import logging
 import os
 import queue
+import select
 import threading
 import time
 from collections import deque
@@ -64,7 +65,7 @@ from . import faults
 from .codec import CONTROL_TYPES as _CONTROL_TYPES
 from .codec import Codec, Envelope, ExtensionNotDecoded, Message, MessageType, _peek_message_id
 from .faults import FaultPolicy
-from . import lending
+from . import lending, shm
 from .lending import DEFAULT_LEND_MIN, LentFrame, Reader
 from .security import ZAP_ENDPOINT, ClusterKeys
 from .tensors import adopt_torch_thread_settings
@@ -83,6 +84,8 @@ from .errors import (
 log = logging.getLogger(__name__)
 
 _RECV_BATCH = 256  # messages received per loop turn before the outbox gets a look again
+_RING_READS = 16  # reads of one ring per turn (a writer that never stops cannot hold us)
+_RING_CHUNK = 1 << 20  # bytes taken from a ring per read
 _ZERO_COPY_MIN = 1 << 16  # smaller messages are copied into their frames (cheaper to set up)
 _endpoint_serial = itertools.count()
 # Plain ints: pyzmq's constants are enum members, and mixing them costs enum arithmetic on
@@ -108,6 +111,13 @@ class EndpointOptions:
     # Buffers of at least this many bytes to a peer on the same host are lent, not sent: the
     # peer reads them from our memory (transport/lending.py). 0: never.
     lend_min: int = DEFAULT_LEND_MIN
+    # Messages to a peer on the same host go through a ring of this many bytes in shared
+    # memory instead of the socket (transport/shm.py; x86-64 Linux). 0: never.
+    shm_ring: int = shm.DEFAULT_RING_BYTES
+    # With such peers, a thread that waits (for an answer, or idle for work) first spins on
+    # the rings for this long, yielding its CPU between looks, before it sleeps: an answer
+    # that comes within it needs no wake-up. 0: it sleeps at once.
+    spin: float = shm.DEFAULT_SPIN
     # With a cluster secret, all traffic is CURVE-encrypted and only peers that hold the same
     # secret get in (transport/security.py).
     cluster_secret: str | bytes | None = field(default=None, repr=False)
@@ -121,6 +131,10 @@ class EndpointOptions:
             raise ValueError("busy_poll must be >= 0")
         if self.lend_min < 0:
             raise ValueError("lend_min must be >= 0")
+        if self.shm_ring < 0 or 0 < self.shm_ring < 4096:
+            raise ValueError("shm_ring must be 0 (off) or >= 4096")
+        if self.spin < 0:
+            raise ValueError("spin must be >= 0")
 
 
 @dataclass
@@ -138,6 +152,7 @@ class PeerStats:
     buffers_lent: int = 0  # big buffers the peer read from our memory instead (transport/lending.py)
     buffers_borrowed: int = 0  # and buffers we read from its memory
     buffers_on_loan: int = 0  # lent to it and not released yet (now, not a running count)
+    shared_memory: bool = False  # messages to it go through a shared-memory ring (now)
 
 
 class PeerState(enum.Enum):
@@ -167,6 +182,16 @@ class _Peer:
     reader: Reader | None = None
     lent: dict = field(default_factory=dict)
     offer: Any = None
+    # Shared memory (transport/shm.py): the ring it writes to us (we made it; read once its
+    # SHM_START said it writes there) and the decoder of its stream; the ring we write to
+    # it (from our SHM_START on) and the bytes that had no room in it yet; its doorbell.
+    ring_in: Any = None
+    ring_in_active: bool = False
+    decoder: Any = None
+    ring_out: Any = None
+    unwritten: deque = field(default_factory=deque)
+    bell: Any = None
+    ring_pid: int | None = None  # its pid, from its HELLO: the process whose ring we map
 
     def __post_init__(self) -> None:
         self.routing_id = self.name.encode()
@@ -245,6 +270,14 @@ class Endpoint:
         # challenge a peer must show back before we read its memory; (peer, transfer id) of
         # borrowed buffers whose release still has to go out; the next transfer id.
         self._host_key = lending.host_key() if self.options.lend_min else None
+        # Shared memory (transport/shm.py): on where supported; the same host key decides.
+        # The doorbell (made by the I/O thread), the peers whose rings we read, the peers
+        # with bytes that had no room in their ring yet, whether a thread spins.
+        self._shm_host = lending.host_key() if self.options.shm_ring and shm.SUPPORTED else None
+        self._bell: shm.Bell | None = None
+        self._rings_in: tuple = ()
+        self._unwritten: set[str] = set()
+        self._spinning = False
         self._challenge = os.urandom(lending.CHALLENGE_BYTES)
         self._releases: deque = deque()
         self._transfer_ids = itertools.count(1)
@@ -457,9 +490,10 @@ class Endpoint:
             if not self._router_open:
                 return
             previous = self._reading_waiter
-            if previous is not None:
-                previous.detach(self._router_fd)
-            waiter.attach(self._router_fd)
+            for fd in self._shared_fds:
+                if previous is not None:
+                    previous.detach(fd)
+                waiter.attach(fd)
             self._io_poller.go_last()
             self._reading_waiter = waiter
 
@@ -469,6 +503,7 @@ class Endpoint:
         if waiter.reads and self._reading_waiter is not waiter:
             self._become_reading_waiter(waiter)
         deadline = None if timeout is None else time.monotonic() + timeout
+        spin = self.options.spin if waiter.reads else 0.0
         try:
             while True:
                 if waiter.reads:
@@ -481,10 +516,56 @@ class Endpoint:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         return False
+                if spin and self._rings_in:
+                    until = time.monotonic() + spin
+                    spun = self._spin(ready, until if deadline is None else min(until, deadline))
+                    if spun:
+                        return True
+                    if spun is None:
+                        continue
+                    if deadline is not None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            return False
                 waiter.sleep(remaining)
                 waiter.waiting = False
         finally:
             waiter.waiting = False
+
+    def _spin(self, ready: Callable[[], bool], until: float) -> bool | None:
+        """Receive without sleeping until ``ready()`` (True) or ``until`` (False), yielding
+        the CPU (and the GIL) between looks; None: nothing was ready, but a ring got data as
+        the spin ended (look again before sleeping). One thread spins at a time; while it
+        does, peers that write to our rings need not ring our doorbell (transport/shm.py)."""
+        with self._socket_lock:
+            if self._spinning or not self._router_open:
+                return False
+            self._spinning = True
+            for record in self._rings_in:
+                record.ring_in.set_spinning(True)
+        clock = time.monotonic
+        result = False
+        try:
+            while True:
+                self._read_for_waiter()
+                if ready():
+                    result = True
+                    break
+                if clock() >= until:
+                    break
+                _yield_cpu()
+        finally:
+            with self._socket_lock:
+                self._spinning = False
+                for record in self._rings_in:
+                    record.ring_in.set_spinning(False)
+                # A writer that saw us spinning did not ring: look once more, after the
+                # fence that orders our "not spinning" before the look (transport/shm.py).
+                shm.fence()
+                missed = any(record.ring_in.has_data() for record in self._rings_in)
+                if missed and result and self._router_open:
+                    self._bell.ring()  # we leave: whoever sleeps takes it
+        return None if missed and not result else result
 
     def _read_for_waiter(self) -> None:
         """Receive what waits in the ROUTER, on a waiting thread (as the I/O thread would)."""
@@ -516,7 +597,11 @@ class Endpoint:
         with self._lock:
             peers = self._peers
             return {
-                name: replace(stats, buffers_on_loan=len(peers[name].lent) if name in peers else 0)
+                name: replace(
+                    stats,
+                    buffers_on_loan=len(peers[name].lent) if name in peers else 0,
+                    shared_memory=name in peers and peers[name].ring_out is not None,
+                )
                 for name, stats in self._stats.items()
             }
 
@@ -648,9 +733,18 @@ class Endpoint:
         # The ROUTER's own descriptor, not the socket: polling it touches no libzmq state, so
         # other threads may send while this one waits.
         self._router_fd = router.getsockopt(zmq.FD)
+        self._shared_fds = [self._router_fd]  # what the reading waiter watches with us
+        if self._shm_host is not None:
+            try:
+                self._bell = shm.Bell()
+                self._shared_fds.append(self._bell.fd)
+            except OSError as exc:
+                log.info("endpoint %s: no doorbell (%s): messages to peers on this host go through the socket",
+                         self.identity, exc)
+                self._shm_host = None
         self._dispatch_waiter = new_waiter(self._dispatcher_reads)
         others = [self._wake_pull, self._monitor] + ([self._zap] if self._zap is not None else [])
-        self._io_poller = IoPoller(self._router_fd, [socket.getsockopt(zmq.FD) for socket in others])
+        self._io_poller = IoPoller(self._shared_fds, [socket.getsockopt(zmq.FD) for socket in others])
         self._by_address: dict[str, str] = {}  # connected address -> peer
         self._by_fd: dict[int, str] = {}  # accepted connection fd -> peer
         self._closing: dict[str, str] = {}  # peers whose connection is gone -> why
@@ -662,9 +756,15 @@ class Endpoint:
         with self._socket_lock:
             self._router_open = False  # senders now get EndpointClosedError
         with self._lock:
-            for record in self._peers.values():  # peers may still be reading what we lent
+            records = list(self._peers.values())
+            for record in records:  # peers may still be reading what we lent
                 lent, record.lent = record.lent, {}
                 lending.retire(lent.values(), self.options.peer_timeout)
+        with self._socket_lock:
+            for record in records:
+                self._close_rings(record)
+            if self._bell is not None:
+                self._bell.close()
         router = getattr(self, "_router", None)
         if router is not None:
             try:
@@ -761,7 +861,11 @@ class Endpoint:
             elif kind == "connect":
                 _, peer, address = command
                 self._connect(peer, address)
+            elif kind == "shm_start":
+                _, peer, ring = command
+                self._start_ring(peer, ring)
             elif kind == "close":
+                self._finish_rings()
                 self._say_goodbye()
                 return False
             # "releases": a reading thread queued some (_borrowed_done); they go below.
@@ -798,6 +902,8 @@ class Endpoint:
         payload: dict[str, Any] = {"identity": self.identity}
         if self._host_key is not None:
             payload["lend"] = {"host": self._host_key, "pid": os.getpid(), "challenge": self._challenge}
+        if self._shm_host is not None:
+            payload["shm"] = {"host": self._shm_host, "pid": os.getpid()}
         self._send_control(peer, MessageType.HELLO, payload)
 
     def _send_control(self, peer: str, kind: MessageType, payload: Any) -> None:
@@ -825,21 +931,25 @@ class Endpoint:
                 record.lent.update(lent)
                 stats.buffers_lent += len(lent)
                 copy = True
-        try:
-            # Zero-copy frames cost more to set up than small copies: only big messages use them.
-            # send_multipart, unrolled: it costs a few Python checks per frame. With
-            # ROUTER_MANDATORY an unreachable peer fails on the routing id, before any frame.
-            send = self._router.send
-            send(record.routing_id, _MORE_NOBLOCK)
-            last = len(frames) - 1
-            for index, frame in enumerate(frames):
-                send(frame, _NOBLOCK if index == last else _MORE_NOBLOCK, copy=copy)
-        except zmq.ZMQError as exc:
-            stats.send_errors += 1
-            reason = "send failed: " + ("no connection to it" if exc.errno == zmq.EHOSTUNREACH else str(exc))
-            self._connection_gone(peer, reason)
-            self._report_send_error(peer, message_id, PeerLostError(peer, f"{self.identity}: lost peer {peer!r}: {reason}"))
-            return
+        if record.ring_out is not None:  # a peer on this host (transport/shm.py)
+            record.unwritten.extend(shm.encode(frames))
+            self._write_ring(record)
+        else:
+            try:
+                # Zero-copy frames cost more to set up than small copies: only big messages use
+                # them. send_multipart, unrolled: it costs a few Python checks per frame. With
+                # ROUTER_MANDATORY an unreachable peer fails on the routing id, before any frame.
+                send = self._router.send
+                send(record.routing_id, _MORE_NOBLOCK)
+                last = len(frames) - 1
+                for index, frame in enumerate(frames):
+                    send(frame, _NOBLOCK if index == last else _MORE_NOBLOCK, copy=copy)
+            except zmq.ZMQError as exc:
+                stats.send_errors += 1
+                reason = "send failed: " + ("no connection to it" if exc.errno == zmq.EHOSTUNREACH else str(exc))
+                self._connection_gone(peer, reason)
+                self._report_send_error(peer, message_id, PeerLostError(peer, f"{self.identity}: lost peer {peer!r}: {reason}"))
+                return
         record.last_sent = time.monotonic()
         stats.messages_sent += 1
         stats.bytes_sent += nbytes
@@ -851,6 +961,8 @@ class Endpoint:
     def _receive_batch(self) -> bool:
         """Receive up to a batch of messages (caller holds the socket lock); whether input
         still waits."""
+        if self._bell is not None:
+            self._receive_rings()
         router = self._router
         recv = router.recv
         for _ in range(_RECV_BATCH):
@@ -866,8 +978,10 @@ class Endpoint:
             self._handle_incoming(frames)
         return bool(router.get(_EVENTS) & _POLLIN)
 
-    def _handle_incoming(self, frames: list[zmq.Frame]) -> None:
-        routing_id = frames[0].bytes
+    def _handle_incoming(self, frames: list) -> None:
+        """One received message: ``frames[0]`` is the sender's routing id (a zmq.Frame from the
+        socket, bytes from a ring), the rest its frames."""
+        routing_id = frames[0] if type(frames[0]) is bytes else frames[0].bytes
         try:
             peer = routing_id.decode()
         except UnicodeDecodeError:
@@ -919,6 +1033,10 @@ class Endpoint:
                 self._lend_offered(record, envelope)
             elif kind is MessageType.LEND_READY:
                 record.lend = record.offer is not None  # it read what we offered it
+            elif kind is MessageType.SHM_OFFER:
+                self._ring_offered(record, envelope)
+            elif kind is MessageType.SHM_START:
+                self._ring_started(record, envelope)
             return
         self._received += 1
         if self._on_envelope is not None and self._on_envelope(peer, envelope):
@@ -955,6 +1073,7 @@ class Endpoint:
             for message_id, frames, nbytes in waiting:
                 self._send_to_peer(peer, message_id, frames, nbytes)
         self._offer_to_lend(record, envelope)
+        self._offer_ring(record, envelope)
         record.ready.set()
         return record
 
@@ -1045,6 +1164,185 @@ class Endpoint:
                 if not self._closed:
                     self._post_locked(("releases",))
 
+    # ----------------------------------------------- shared-memory rings (transport/shm.py)
+
+    def _offer_ring(self, record: _Peer, hello: Envelope) -> None:
+        """A peer on our host: make the ring it will write to us, and tell it where (with our
+        doorbell). It answers SHM_START, behind everything it sent us through the socket."""
+        if self._shm_host is None or record.state is not PeerState.READY or record.ring_in is not None:
+            return
+        payload = self._control_payload(record, hello)
+        info = payload.get("shm") if isinstance(payload, dict) else None
+        if not isinstance(info, dict) or info.get("host") != self._shm_host or type(info.get("pid")) is not int:
+            return
+        record.ring_pid = info["pid"]  # the only process whose ring we will map
+        try:
+            ring = shm.Ring.create(self.options.shm_ring)
+        except OSError as exc:
+            log.info("endpoint %s: no ring for %s (%s): it sends through the socket", self.identity, record.name, exc)
+            return
+        record.ring_in = ring
+        # One frame more than the codec allows: a lent-buffer table may come first.
+        record.decoder = shm.StreamDecoder(self.codec.max_frames + 1, self.codec.max_message_bytes + (1 << 20))
+        self._send_control(record.name, MessageType.SHM_OFFER,
+                           {"fd": ring.fd, "capacity": ring.capacity, "bell": self._bell.address})
+
+    def _ring_offered(self, record: _Peer, envelope: Envelope) -> None:
+        """The peer made a ring for us: map it, then (through the outbox, so behind every
+        message already queued for the socket) say SHM_START and write there from then on."""
+        if record.ring_pid is None or record.ring_out is not None:
+            return  # not on our host, or shared memory is off here
+        payload = self._control_payload(record, envelope)
+        try:
+            if not isinstance(payload, dict):
+                raise ValueError("malformed SHM_OFFER")
+            fd, capacity = payload.get("fd"), payload.get("capacity")
+            if type(fd) is not int or type(capacity) is not int or fd < 0 or capacity <= 0:
+                raise ValueError("malformed SHM_OFFER")
+            self._open_bell(record, payload)
+            ring = shm.Ring.open(record.ring_pid, fd, capacity)
+        except (OSError, ValueError) as exc:
+            log.info("endpoint %s: cannot use the ring of %s (%s): messages to it go through the socket",
+                     self.identity, record.name, exc)
+            return
+        with self._lock:
+            self._post_locked(("shm_start", record.name, ring))
+
+    def _open_bell(self, record: _Peer, payload: dict) -> None:
+        if record.bell is None:
+            address = payload.get("bell")
+            if not isinstance(address, str):
+                raise ValueError("no doorbell address")
+            record.bell = shm.open_bell(address)
+
+    def _start_ring(self, peer: str, ring: shm.Ring) -> None:
+        """On the I/O thread, in outbox order: SHM_START through the socket, then the ring."""
+        record = self._peers.get(peer)
+        if record is None or record.state is not PeerState.READY or record.ring_out is not None:
+            ring.close()
+            return
+        self._send_control(peer, MessageType.SHM_START, {"bell": self._bell.address})
+        record.ring_out = ring
+
+    def _ring_started(self, record: _Peer, envelope: Envelope) -> None:
+        """Everything the peer sent through the socket before it came first: read its ring."""
+        if record.ring_in is None or record.ring_in_active:
+            return
+        payload = self._control_payload(record, envelope)
+        try:
+            self._open_bell(record, payload if isinstance(payload, dict) else {})
+        except (OSError, ValueError) as exc:
+            # It then learns of room in the ring on its heartbeat ticks only.
+            log.warning("endpoint %s: cannot open the doorbell of %s: %s", self.identity, record.name, exc)
+        record.ring_in.mapped_by_writer()
+        record.ring_in_active = True
+        self._rings_in = (*self._rings_in, record)
+        if self._spinning:
+            record.ring_in.set_spinning(True)
+        self._read_ring(record)  # it may have written already
+
+    def _receive_rings(self) -> None:
+        """Read every ring (under the socket lock), after emptying the doorbell; write what
+        waited for room in the peers' rings."""
+        shm.drain(self._bell.fd)
+        for record in self._rings_in:
+            self._read_ring(record)
+        if self._unwritten:
+            self._flush_unwritten()
+
+    def _read_ring(self, record: _Peer) -> None:
+        ring, decoder = record.ring_in, record.decoder
+        if decoder is None:
+            return
+        routing_id = record.routing_id
+        for _ in range(_RING_READS):
+            chunk = ring.read(_RING_CHUNK)
+            if chunk is None:
+                return
+            shm.fence()  # our new head before the look at its flag (transport/shm.py)
+            if ring.take_writer_waiting() and record.bell is not None:
+                shm.ring_bell(record.bell)
+            try:
+                messages = decoder.feed(chunk)
+            except ProtocolError as exc:
+                with self._lock:
+                    self._stats[record.name].protocol_errors += 1
+                record.decoder = None
+                self._peer_lost(record.name, f"malformed shared-memory stream: {exc}")
+                return
+            for frames in messages:
+                frames.insert(0, routing_id)
+                self._handle_incoming(frames)
+        self._bell.ring()  # more is waiting: for the next turn (ours or another thread's)
+
+    def _write_ring(self, record: _Peer) -> None:
+        """Write what waits for the peer's ring, as far as there is room (socket lock held);
+        what has no room waits for the peer's doorbell call (or our next tick). Ring the peer
+        unless it spins."""
+        ring, unwritten = record.ring_out, record.unwritten
+        wrote = asked = False
+        while unwritten:
+            piece = unwritten[0]
+            written = ring.write(piece)
+            if written:
+                wrote = True
+                if written == len(piece):
+                    unwritten.popleft()
+                else:
+                    unwritten[0] = piece[written:]
+                continue
+            if asked:
+                break
+            # Full: ask the reader to ring us once it made room, then look once more (it may
+            # have made room before it saw the flag).
+            ring.set_writer_waiting(True)
+            shm.fence()
+            asked = True
+        if unwritten:
+            self._unwritten.add(record.name)
+        else:
+            self._unwritten.discard(record.name)
+            if asked:
+                ring.set_writer_waiting(False)
+        if wrote:
+            shm.fence()  # the new tail before the look at the reader's flag
+            if record.bell is not None and not ring.reader_spinning():
+                shm.ring_bell(record.bell)
+
+    def _flush_unwritten(self) -> None:
+        for name in tuple(self._unwritten):
+            record = self._peers.get(name)
+            if record is None or record.ring_out is None:
+                self._unwritten.discard(name)
+            else:
+                self._write_ring(record)
+
+    def _finish_rings(self) -> None:
+        """On close, before GOODBYE: write what still waits for room in peers' rings, for up
+        to ``close_linger`` (as libzmq lingers over what its queues hold)."""
+        deadline = time.monotonic() + self.options.close_linger
+        while self._unwritten:
+            self._flush_unwritten()
+            remaining = deadline - time.monotonic()
+            if not self._unwritten or remaining <= 0:
+                return
+            select.select([self._bell.fd], [], [], min(remaining, 0.05))  # a reader made room
+            shm.drain(self._bell.fd)
+
+    def _close_rings(self, record: _Peer) -> None:
+        """Unmap the peer's rings and close its doorbell (socket lock held)."""
+        if record.ring_in is not None:
+            self._rings_in = tuple(r for r in self._rings_in if r is not record)
+            record.ring_in.close()
+        if record.ring_out is not None:
+            record.ring_out.close()
+        if record.bell is not None:
+            record.bell.close()
+        record.ring_in = record.decoder = record.ring_out = record.bell = None
+        record.ring_in_active = False
+        record.unwritten.clear()
+        self._unwritten.discard(record.name)
+
     def _send_releases(self) -> None:
         """Send the queued releases, one LEND_RELEASE per lender (under the socket lock)."""
         releases = self._releases
@@ -1107,6 +1405,8 @@ class Endpoint:
         """Heartbeats out, silent peers declared lost, retired lent buffers forgotten."""
         options = self.options
         lending.retire((), 0.0)
+        if self._unwritten:
+            self._flush_unwritten()  # in case a doorbell call was lost
         with self._lock:
             records = list(self._peers.values())
         for record in records:
@@ -1124,6 +1424,9 @@ class Endpoint:
                     self._peer_lost(record.name, f"did not complete HELLO within {options.connect_timeout} s")
 
     def _peer_lost(self, peer: str, reason: str, level: int = logging.WARNING) -> None:
+        record = self._peers.get(peer)
+        if record is not None and record.ring_in_active and record.state is not PeerState.LOST:
+            self._read_ring(record)  # what it wrote before it went comes first
         with self._lock:
             record = self._peers.get(peer)
             if record is None or record.state is PeerState.LOST:
@@ -1136,6 +1439,7 @@ class Endpoint:
             record.lend, record.reader, record.offer = False, None, None
         # The peer may not know yet that it lost us, and still read what we lent it.
         lending.retire(lent.values(), self.options.peer_timeout)
+        self._close_rings(record)
         log.log(level, "%s", error)
         if record.address is not None:
             self._by_address.pop(record.address, None)

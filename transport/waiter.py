@@ -71,13 +71,14 @@ class Waiter:
             self._poller = select.poll()
             self._poller.register(self._read_fd, select.POLLIN)
 
-    def attach(self, router_fd: int) -> None:
-        """Watch the ROUTER's descriptor too (another thread may call this while we sleep)."""
-        self._poller.register(router_fd, select.EPOLLIN | EXCLUSIVE)
+    def attach(self, fd: int) -> None:
+        """Watch the ROUTER's descriptor (or the doorbell's) too (another thread may call
+        this while we sleep)."""
+        self._poller.register(fd, select.EPOLLIN | EXCLUSIVE)
 
-    def detach(self, router_fd: int) -> None:
+    def detach(self, fd: int) -> None:
         try:
-            self._poller.unregister(router_fd)
+            self._poller.unregister(fd)
         except (OSError, ValueError):
             pass  # closed meanwhile (its thread is gone)
 
@@ -157,21 +158,23 @@ def new_waiter(reads: bool) -> Waiter | LockWaiter:
 
 
 class IoPoller:
-    """The I/O thread's sleep: the ROUTER's descriptor (last in line, see the module's
-    docstring) and the descriptors of its other sockets. ``poll`` returns whether anything
-    is ready; the caller then checks every socket's ``ZMQ_EVENTS`` (they are edge-triggered)."""
+    """The I/O thread's sleep: the descriptors it shares with the reading waiter (the
+    ROUTER's and the shared-memory doorbell's, last in line, see the module's docstring) and
+    those of its other sockets. ``poll`` returns whether anything is ready; the caller then
+    checks every socket's ``ZMQ_EVENTS`` (they are edge-triggered)."""
 
-    def __init__(self, router_fd: int, other_fds: list[int]) -> None:
-        self._router_fd = router_fd
+    def __init__(self, shared_fds: list[int], other_fds: list[int]) -> None:
+        self._shared_fds = shared_fds
         if EXCLUSIVE is not None:
             self._poller = select.epoll()
             for fd in other_fds:
                 self._poller.register(fd, select.EPOLLIN)
-            self._poller.register(router_fd, select.EPOLLIN | EXCLUSIVE)
+            for fd in shared_fds:
+                self._poller.register(fd, select.EPOLLIN | EXCLUSIVE)
             self.poll = self._poll_epoll
         else:
             self._poller = select.poll()
-            for fd in [router_fd, *other_fds]:
+            for fd in [*shared_fds, *other_fds]:
                 self._poller.register(fd, select.POLLIN)
             self.poll = self._poll_poll
 
@@ -185,8 +188,9 @@ class IoPoller:
         """Queue behind a waiter registered since: re-register the ROUTER's descriptor (any
         thread may call this while the I/O thread sleeps)."""
         if EXCLUSIVE is not None:
-            self._poller.unregister(self._router_fd)
-            self._poller.register(self._router_fd, select.EPOLLIN | EXCLUSIVE)
+            for fd in self._shared_fds:
+                self._poller.unregister(fd)
+                self._poller.register(fd, select.EPOLLIN | EXCLUSIVE)
 
     def close(self) -> None:
         if EXCLUSIVE is not None:

@@ -233,6 +233,8 @@ class Agent:
                 cluster_secret=secret,
                 busy_poll=options.busy_poll,
                 lend_min=options.lend_min,
+                shm_ring=options.shm_ring,
+                spin=options.spin,
             ),
             # Requests go from the thread that received them straight to the pool that runs
             # them, and a response to rpc_sync straight to the thread that waits for it.

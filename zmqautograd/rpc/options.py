@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from transport.lending import DEFAULT_LEND_MIN
+from transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING, DEFAULT_SPIN
 
 from .devices import to_device, to_device_map
 
@@ -57,6 +58,12 @@ class ZmqRpcBackendOptions:
         lend_min: tensors of at least this many bytes to a worker on the same host are read
             by it straight from this process's memory, one copy instead of a socket's two
             (docs/transport.md, "Lending"); 0 turns that off.
+        shm_ring: messages to a worker on the same host go through a ring of this many bytes
+            in shared memory instead of a socket (docs/transport.md, "Shared-memory rings");
+            0 turns that off.
+        spin: seconds. With such workers, a thread that waits (for an answer, or idle for
+            work) first spins on the rings for this long, yielding its CPU between looks,
+            before it sleeps; 0 sleeps at once.
         messages_to_fail / num_fail_sends / messages_to_delay / drop_fraction / fail_fraction /
         fault_seed:
             fault injection, as torch's faulty agent options (``transport.faults``; also
@@ -80,6 +87,8 @@ class ZmqRpcBackendOptions:
     peer_timeout: float = 10.0
     busy_poll: float = 0.0
     lend_min: int = DEFAULT_LEND_MIN
+    shm_ring: int = DEFAULT_SHM_RING
+    spin: float = DEFAULT_SPIN
     messages_to_fail: list[str] = field(default_factory=list)
     num_fail_sends: int = 0
     messages_to_delay: dict[str, float] = field(default_factory=dict)

@@ -358,6 +358,9 @@ class RRef:
         waiting there until the value exists (``timeout`` bounds that, as any call's), and
         keeps the answer: later calls return the same future. A failed ask is not kept."""
         future = getattr(self, "_type_future", None)
+        if future is not None and future.done() and _failed(future):
+            # Its callback forgets it too, but a waiter may wake before callbacks have run.
+            future = None
         if future is None:
             if self.is_owner():
                 future = torch.futures.Future()
@@ -378,11 +381,8 @@ class RRef:
         return future.wait() if blocking else future
 
     def _forget_failed_type(self, future: torch.futures.Future) -> None:
-        try:
-            future.value()
-        except Exception:
-            if getattr(self, "_type_future", None) is future:
-                self._type_future = None
+        if _failed(future) and getattr(self, "_type_future", None) is future:
+            self._type_future = None
 
     def rpc_sync(self, timeout: float = -1.0) -> "_Proxy":
         """``rref.rpc_sync().method(*args)`` runs ``method`` on the value, on its owner."""
@@ -480,6 +480,15 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
         if not future.done():
             future.set_exception(exc)
     context.set_created(rref_id)
+
+
+def _failed(future: torch.futures.Future) -> bool:
+    """Whether a completed future completed with an error."""
+    try:
+        future.value()
+    except Exception:  # noqa: BLE001 - any error is a failure here
+        return True
+    return False
 
 
 def _settle(target: torch.futures.Future, done: torch.futures.Future, convert: Callable | None = None) -> None:

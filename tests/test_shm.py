@@ -1,0 +1,307 @@
+"""Same-host shared-memory rings (transport/shm.py): the ring and stream format on their own,
+then endpoints in this process and in a server process, over real sockets and real shared
+memory."""
+
+from __future__ import annotations
+
+import os
+import queue
+import select
+import struct
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transport import Message, MessageType, PeerLostError
+from transport import shm
+from transport.endpoint import Endpoint, EndpointOptions
+from transport.errors import RemoteProtocolError
+
+from .test_endpoint import Client
+from .workers import start_server
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not shm.SUPPORTED, reason="shared-memory rings need x86-64 Linux"),
+]
+
+
+def _wait_for(condition, timeout: float = 30.0) -> None:
+    """For states nothing signals (a ring switched on): look until true or fail."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+# ------------------------------------------------------------------ the ring on its own
+
+
+def _pump(writer: shm.Ring, reader: shm.Ring, decoder: shm.StreamDecoder, messages, read_limit: int) -> list:
+    """Write ``messages`` through the ring, reading whenever it is full (one thread does
+    both sides); the messages decoded, as lists of bytes."""
+    out, pending = [], []
+    for message in messages:
+        pending.extend(shm.encode(message))
+        while pending:
+            written = writer.write(pending[0])
+            if written == len(pending[0]):
+                pending.pop(0)
+                continue
+            pending[0] = pending[0][written:]
+            chunk = reader.read(read_limit)
+            assert chunk is not None  # full, so there is something to read
+            out += decoder.feed(chunk)
+    while (chunk := reader.read(read_limit)) is not None:
+        out += decoder.feed(chunk)
+    return [[bytes(frame) for frame in frames] for frames in out]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(64, 5000),
+    read_limit=st.integers(1, 6000),
+    messages=st.lists(st.lists(st.binary(max_size=9000), min_size=1, max_size=4), max_size=12),
+)
+def test_the_ring_carries_messages_of_any_size_whole_and_in_order(capacity, read_limit, messages):
+    reader = shm.Ring.create(capacity)
+    writer = shm.Ring.open(os.getpid(), reader.fd, capacity)
+    try:
+        decoder = shm.StreamDecoder(max_frames=8, max_message_bytes=1 << 20)
+        assert _pump(writer, reader, decoder, messages, read_limit) == messages
+        assert not reader.has_data()
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_decoded_frames_are_writable_and_aligned_for_tensors():
+    reader = shm.Ring.create(1 << 16)
+    writer = shm.Ring.open(os.getpid(), reader.fd, 1 << 16)
+    try:
+        for piece in shm.encode([b"abc", struct.pack("<5d", 0, 1, 2, 3, 4)]):
+            assert writer.write(piece) == len(piece)
+        [frames] = shm.StreamDecoder(4, 1 << 20).feed(reader.read(1 << 20))
+        assert bytes(frames[0]) == b"abc"
+        assert not frames[1].readonly
+        tensor = torch.frombuffer(frames[1], dtype=torch.float64)
+        assert tensor.data_ptr() % 8 == 0 and tensor.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    finally:
+        writer.close()
+        reader.close()
+
+
+@pytest.mark.parametrize(
+    "stream, error",
+    [
+        ((0).to_bytes(4, "little") + bytes(4), "message with 0 frames"),
+        ((99).to_bytes(4, "little") + bytes(4), "message with 99 frames (limit 8)"),
+        ((1).to_bytes(4, "little") + bytes(4) + (2 << 20).to_bytes(8, "little"), "message of 2097152 bytes"),
+    ],
+)
+def test_a_malformed_stream_is_a_protocol_error(stream, error):
+    with pytest.raises(RemoteProtocolError, match="shared-memory stream: " + error.replace("(", r"\(").replace(")", r"\)")):
+        shm.StreamDecoder(8, 1 << 20).feed(bytearray(stream))
+
+
+def test_only_our_rings_are_mapped():
+    fd = os.memfd_create("not-a-ring")
+    try:
+        os.ftruncate(fd, 256 + 4096)
+        with pytest.raises(ValueError, match="is not a ring"):
+            shm.Ring.open(os.getpid(), fd, 4096)
+        with pytest.raises(ValueError, match="is not a ring of 8192 bytes"):
+            shm.Ring.open(os.getpid(), fd, 8192)
+    finally:
+        os.close(fd)
+    with pytest.raises(ValueError, match="is not a doorbell address"):
+        shm.open_bell("\0some-other-socket")
+
+
+def test_the_doorbell_wakes_a_poller_and_drains():
+    bell = shm.Bell()
+    ringer = shm.open_bell(bell.address)
+    try:
+        assert select.select([bell.fd], [], [], 0)[0] == []
+        shm.ring_bell(ringer)
+        shm.ring_bell(ringer)
+        assert select.select([bell.fd], [], [], 10)[0] == [bell.fd]
+        shm.drain(bell.fd)
+        assert select.select([bell.fd], [], [], 0)[0] == []
+    finally:
+        ringer.close()
+        bell.close()
+    with pytest.raises(OSError):
+        shm.open_bell(bell.address)  # gone with its socket
+
+
+# --------------------------------------------------------------- endpoints in this process
+
+
+def _pair(**options):
+    """Two connected endpoints in this process, ``b`` receiving with recv(); lost peers of
+    ``b`` go to the returned queue."""
+    lost: queue.SimpleQueue = queue.SimpleQueue()
+    a = Endpoint("a", options=EndpointOptions(**options))
+    b = Endpoint("b", options=EndpointOptions(**options), on_peer_lost=lambda peer, error: lost.put((peer, error)))
+    a.connect("b", b.address)
+    b.expect("a")
+    a.wait_for_peer("b", 30)
+    b.wait_for_peer("a", 30)
+    return a, b, lost
+
+
+def _mapped_rings() -> int:
+    """Rings this process has mapped (ours and the ones peers made for us)."""
+    with open("/proc/self/maps") as maps:
+        return sum("memfd:zmqautograd-ring" in line for line in maps)
+
+
+def test_messages_still_queued_for_a_full_ring_leave_before_goodbye():
+    # A 4 KiB ring: most of the 300 messages wait for room when close() starts; close flushes
+    # them (within close_linger), and the receiver reads the ring before it takes the
+    # GOODBYE, which travels through the socket, as the loss of that peer.
+    before = _mapped_rings()
+    a, b, lost = _pair(shm_ring=4096, close_linger=10.0)
+    try:
+        _wait_for(lambda: a.stats()["b"].shared_memory)
+        payload = bytes(1000)
+        for seq in range(300):
+            a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", [seq, payload]))
+        a.close()
+        received = [b.recv(30) for _ in range(300)]
+        assert [m.payload[0] for m in received] == list(range(300))
+        assert all(m.payload[1] == payload for m in received)
+        peer, error = lost.get(timeout=30)
+        assert peer == "a" and "closed its endpoint" in str(error)
+    finally:
+        a.close()
+        b.close()
+    assert _mapped_rings() == before  # closed endpoints hold no ring memory
+
+
+def test_a_malformed_ring_stream_loses_that_peer_and_the_endpoint_goes_on():
+    a, b, lost = _pair()
+    c = Endpoint("c")
+    try:
+        _wait_for(lambda: a.stats()["b"].shared_memory)
+        with a._socket_lock:  # as a's own sends do: one writer at a time
+            record = a._peers["b"]
+            record.ring_out.write(memoryview(b"\xff" * 64))  # 0xffffffff frames
+            shm.ring_bell(record.bell)
+        peer, error = lost.get(timeout=30)
+        assert peer == "a" and "malformed shared-memory stream" in str(error)
+        assert b.stats()["a"].protocol_errors == 1
+        with pytest.raises(PeerLostError):
+            b.send("a", Message(MessageType.PYTHON_CALL, 1, "b", None))
+        c.connect("b", b.address)
+        b.expect("c")
+        c.send("b", Message(MessageType.PYTHON_CALL, 7, "c", "still here"))
+        message = b.recv(30)
+        assert (message.sender, message.payload) == ("c", "still here")
+    finally:
+        for endpoint in (a, b, c):
+            endpoint.close()
+
+
+# ------------------------------------------------------------------ against a server process
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = start_server("shm-server")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def small_ring_server():
+    # Rings smaller than most messages, and no lending: everything is streamed through them.
+    process = start_server("small-ring-server", options={"shm_ring": 4096, "lend_min": 0, "spin": 0.0})
+    yield process
+    process.stop()
+
+
+def test_messages_to_a_same_host_peer_switch_to_shared_memory_in_order(server):
+    client = Client(server, identity="shm-client")
+    try:
+        # Sent at once: the first go through the socket, the rest through the ring once the
+        # switch is made; the server must see them in the order they were sent.
+        for seq in range(3000):
+            client.send({"op": "record", "seq": seq})
+        log = client.call({"op": "log"})
+        assert [seq for sender, seq in log if sender == "shm-client"] == list(range(3000))
+        _wait_for(lambda: client.endpoint.stats()[server.identity].shared_memory)
+        assert client.call({"op": "stats"})["shared_memory"]  # and its answers come back that way
+        tensors = [torch.randn(1000), torch.arange(70_000, dtype=torch.int16), torch.randn(600, 600).t()]
+        echoed = client.call({"op": "echo", "data": tensors})
+        assert all(torch.equal(x, y) for x, y in zip(echoed, tensors))
+        assert echoed[2].stride() == tensors[2].stride()
+        received = client.endpoint.stats()[server.identity].messages_received
+        assert received >= 3  # the answers were counted as the socket's are
+    finally:
+        client.close()
+
+
+def test_messages_larger_than_the_ring_stream_through_it(small_ring_server):
+    client = Client(small_ring_server, identity="small-ring-client", shm_ring=4096, lend_min=0, spin=0.0)
+    try:
+        _wait_for(lambda: client.endpoint.stats()[small_ring_server.identity].shared_memory)
+        big = torch.randn(1 << 18)  # 1 MiB: 256 rings' worth, both ways
+        ids = []
+        for seq in range(200):
+            ids.append(client.send({"op": "echo", "data": big if seq % 50 == 0 else seq}))
+        replies = [client.endpoint.recv(60) for _ in ids]
+        assert [r.id for r in replies] == ids
+        for seq, reply in enumerate(replies):
+            if seq % 50 == 0:
+                assert torch.equal(reply.payload, big)
+            else:
+                assert reply.payload == seq
+        assert client.call({"op": "stats"})["shared_memory"]
+    finally:
+        client.close()
+
+
+def test_sleeping_readers_are_woken_by_the_doorbell(small_ring_server):
+    # spin=0 on both sides: every message finds its reader asleep, so each one needs a ring.
+    client = Client(small_ring_server, identity="bell-client", spin=0.0)
+    try:
+        _wait_for(lambda: client.endpoint.stats()[small_ring_server.identity].shared_memory)
+        for seq in range(200):
+            assert client.call({"op": "echo", "data": seq}) == seq
+    finally:
+        client.close()
+
+
+def test_shared_memory_off_on_one_side_keeps_both_directions_on_the_socket(server):
+    client = Client(server, identity="socket-client", shm_ring=0)
+    try:
+        for seq in range(50):
+            assert client.call({"op": "echo", "data": seq}) == seq
+        assert not client.endpoint.stats()[server.identity].shared_memory
+        assert not client.call({"op": "stats"})["shared_memory"]
+    finally:
+        client.close()
+
+
+def test_a_killed_peer_is_lost_and_its_ring_released():
+    before = _mapped_rings()
+    process = start_server("doomed-shm-server")
+    client = Client(process, identity="survivor")
+    try:
+        _wait_for(lambda: client.endpoint.stats()[process.identity].shared_memory)
+        _wait_for(lambda: client.call({"op": "stats"})["shared_memory"])
+        assert _mapped_rings() == before + 2  # ours, that it writes to, and its
+        process.kill()
+        _when, peer, error = client.lost.get(timeout=60)
+        assert peer == process.identity and isinstance(error, PeerLostError)
+        with pytest.raises(PeerLostError):
+            client.send({"op": "echo", "data": 1})
+        assert _mapped_rings() == before
+    finally:
+        client.close()
+        process.stop()

@@ -1,0 +1,349 @@
+"""Same-host channels: a byte ring in shared memory per direction, and a doorbell per process.
+
+Pure mechanics, no sockets and no threads: the endpoint (transport/endpoint.py, "Shared
+memory") decides when a peer's messages go this way and which thread reads.
+
+Why: between two processes on one host, a message through ZeroMQ wakes four sleeping threads
+(libzmq's I/O thread on each side, then the receiver's own thread) and crosses the kernel
+twice. On the development VM each wake-up costs tens to hundreds of microseconds, more than
+the Python work of a call (README, "Where the time goes"). Through a ring, the sender copies
+the message into memory the receiver maps; a receiver that is spinning sees it at once, one
+that sleeps is woken by one byte on its doorbell. This is how TensorPipe's ``shm`` transport
+works, except that its reactor spins all the time and ours only while a thread waits for
+something (``EndpointOptions.spin``).
+
+**Ring.** One writer process, one reader process. A header of four counters, each on its own
+cache line, then ``capacity`` data bytes used as a byte stream:
+
+* ``head``: bytes the reader has consumed (only the reader stores it);
+* ``tail``: bytes the writer has published (only the writer stores it); data is written
+  before the tail that publishes it;
+* ``spinning``: the reader has a thread spinning on the ring, so the writer need not ring;
+* ``writer_waiting``: the writer has bytes the ring had no room for; the reader rings the
+  writer's doorbell once it has made room.
+
+Positions only grow (64 bits never wrap); the data offset is ``position % capacity``. A
+message can be larger than the ring: the writer keeps what did not fit and writes it as room
+appears, the reader reassembles (:class:`StreamDecoder`).
+
+**Memory order.** The ring is used only on x86-64 (``SUPPORTED``), whose stores become
+visible in program order and whose loads are not reordered with older loads: so a reader
+that sees a tail sees the bytes written before it, and a writer that sees a head may reuse
+the bytes before it. The one reordering x86 allows, a load passing an older store, matters
+for the two flags ("I stop spinning, then look for data" against "I publish data, then look
+whether the reader spins"; likewise for ``writer_waiting``): both sides put :func:`fence`
+between the store and the load, a locked instruction, which x86 orders with everything.
+
+**Doorbell.** A datagram socket per process in Linux's abstract namespace: writers send a
+byte to wake a sleeping reader; the reader's sleeping threads poll it. Level-triggered:
+whoever wakes empties it (:func:`drain`) before it reads the rings.
+
+**Nothing left behind.** Rings are ``memfd`` memory, which the writer maps through
+``/proc/<pid>/fd``; doorbells have no file either. A process that dies leaves nothing in
+``/dev/shm``.
+
+**Wire format** of a message in the stream: ``u32 frame count``, ``u32 0``, one ``u64``
+length per frame, then the frames, each padded to 8 bytes (so tensors decoded in place are
+aligned for their dtype).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import stat
+import struct
+import sys
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import RemoteProtocolError
+
+DEFAULT_RING_BYTES = 1 << 20
+DEFAULT_SPIN = 0.002  # seconds (EndpointOptions.spin)
+SUPPORTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+
+_HEAD, _TAIL, _SPINNING, _WRITER_WAITING = 0, 64, 128, 192
+_DATA = 256  # the data bytes start here (the header's four cache lines)
+_MAGIC = b"zmqautograd-ring\0"  # at _DATA - 32: a file that is not one of ours is refused
+_U64 = struct.Struct("<Q")
+_HEADER_ALIGN = 8
+_BELL_BYTE = b"\0"
+_BELL_PREFIX = "zmqautograd-bell-"
+_ZEROS = bytes(8)
+_SHARE_MAX = 1 << 18  # chunks bigger than this are not kept alive by small messages' frames
+_JOIN_MAX = 4096  # frames this big are copied into the ring on their own, not joined first
+
+_fence_lock = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier: taking and releasing a lock is a locked instruction on x86 (see
+    the module's docstring). About 0.1 us."""
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def _pad(n: int) -> int:
+    return -n & 7
+
+
+class Ring:
+    """One direction's ring. The reader creates it and tells the writer where to find it;
+    both map it."""
+
+    def __init__(self, mapping: mmap.mmap, capacity: int, fd: int | None = None):
+        self.capacity = capacity
+        self.fd = fd  # the creator's descriptor, kept until the writer has mapped the ring
+        self._map = mapping
+        self._buffer = memoryview(mapping)
+        self._data = self._buffer[_DATA:_DATA + capacity]
+
+    @classmethod
+    def create(cls, capacity: int) -> "Ring":
+        """A new, zeroed ring in anonymous shared memory (``memfd``: no file to leave behind).
+        The writer maps it through ``/proc/<our pid>/fd/<fd>`` (:meth:`open`)."""
+        fd = os.memfd_create("zmqautograd-ring", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, _DATA + capacity)
+            mapping = mmap.mmap(fd, _DATA + capacity)
+        except BaseException:
+            os.close(fd)
+            raise
+        mapping[_DATA - 32:_DATA - 32 + len(_MAGIC)] = _MAGIC
+        return cls(mapping, capacity, fd)
+
+    @classmethod
+    def open(cls, pid: int, fd: int, capacity: int) -> "Ring":
+        """Map the ring process ``pid`` created (its descriptor ``fd``). Raises OSError, or
+        ValueError for anything that is not such a ring of that size."""
+        local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            info = os.fstat(local)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != _DATA + capacity:
+                raise ValueError(f"descriptor {fd} of pid {pid} is not a ring of {capacity} bytes")
+            mapping = mmap.mmap(local, _DATA + capacity)
+        finally:
+            os.close(local)
+        if mapping[_DATA - 32:_DATA - 32 + len(_MAGIC)] != _MAGIC:
+            mapping.close()
+            raise ValueError(f"descriptor {fd} of pid {pid} is not a ring")
+        return cls(mapping, capacity)
+
+    def mapped_by_writer(self) -> None:
+        """The writer has the ring mapped: our descriptor is no longer needed."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def close(self) -> None:
+        self.mapped_by_writer()
+        self._data.release()
+        self._buffer.release()
+        self._map.close()
+
+    def _load(self, offset: int) -> int:
+        return _U64.unpack_from(self._buffer, offset)[0]
+
+    def _store(self, offset: int, value: int) -> None:
+        _U64.pack_into(self._buffer, offset, value)
+
+    # ------------------------------------------------------------------ the writer's side
+
+    def write(self, data: memoryview) -> int:
+        """Append as much of ``data`` (a byte memoryview) as there is room for and publish it;
+        the number of bytes taken."""
+        capacity = self.capacity
+        tail = self._load(_TAIL)
+        size = min(len(data), capacity - (tail - self._load(_HEAD)))
+        if size <= 0:
+            return 0
+        at = tail % capacity
+        first = min(size, capacity - at)
+        self._data[at:at + first] = data[:first]
+        if size > first:  # wrapped around
+            self._data[:size - first] = data[first:size]
+        self._store(_TAIL, tail + size)  # after the data: publishes it
+        return size
+
+    def reader_spinning(self) -> bool:
+        """Whether the reader spins on the ring (call after :func:`fence`)."""
+        return self._load(_SPINNING) != 0
+
+    def set_writer_waiting(self, waiting: bool) -> None:
+        self._store(_WRITER_WAITING, int(waiting))
+
+    # ------------------------------------------------------------------ the reader's side
+
+    def has_data(self) -> bool:
+        return self._load(_TAIL) != self._load(_HEAD)
+
+    def read(self, limit: int) -> bytearray | None:
+        """Up to ``limit`` published bytes (writable, so tensors can be decoded in place), or
+        None when there are none."""
+        head = self._load(_HEAD)
+        size = min(self._load(_TAIL) - head, limit)
+        if size <= 0:
+            return None
+        capacity = self.capacity
+        at = head % capacity
+        first = min(size, capacity - at)
+        chunk = bytearray(self._data[at:at + first])
+        if size > first:
+            chunk += self._data[:size - first]
+        self._store(_HEAD, head + size)  # after the copy: the writer may now reuse the bytes
+        return chunk
+
+    def set_spinning(self, spinning: bool) -> None:
+        self._store(_SPINNING, int(spinning))
+
+    def take_writer_waiting(self) -> bool:
+        """Whether the writer waits for room (call after :func:`fence`); clears the flag."""
+        if self._load(_WRITER_WAITING):
+            self._store(_WRITER_WAITING, 0)
+            return True
+        return False
+
+
+def encode(frames: Sequence[Any]) -> list:
+    """A message's frames as the byte pieces to append to a ring, in order: small parts are
+    joined (one copy into the ring for a small message), big frames go as they are."""
+    views = [memoryview(frame).cast("B") for frame in frames]
+    small: list = [struct.pack(f"<II{len(views)}Q", len(views), 0, *[view.nbytes for view in views])]
+    pieces = []
+    for view in views:
+        pad = _pad(view.nbytes)
+        if view.nbytes >= _JOIN_MAX:
+            pieces.append(memoryview(b"".join(small)))
+            pieces.append(view)
+            small = []
+        else:
+            small.append(view)
+        if pad:
+            small.append(_ZEROS[:pad])
+    if small:
+        pieces.append(memoryview(b"".join(small)))
+    return pieces
+
+
+class StreamDecoder:
+    """Reassembles the messages of one ring's byte stream (:func:`encode`'s format).
+
+    ``feed`` takes the bytes :meth:`Ring.read` returned and gives back the complete messages
+    among them, each a list of frames (memoryviews of the fed bytes, writable). A malformed
+    stream raises RemoteProtocolError: the stream cannot be resynchronised, so the caller
+    must stop reading it."""
+
+    def __init__(self, max_frames: int, max_message_bytes: int):
+        self._max_frames = max_frames
+        self._max_bytes = max_message_bytes
+        self._pending = bytearray()
+        self._need = 0  # bytes the message at the front of _pending needs, once known
+
+    def feed(self, chunk: bytearray) -> list[list[memoryview]]:
+        if self._pending:
+            self._pending += chunk
+            if len(self._pending) < self._need:
+                return []
+            data, self._pending, self._need = self._pending, bytearray(), 0
+        else:
+            data = chunk
+        view = memoryview(data)
+        messages = []
+        position, end = 0, len(data)
+        while position < end:
+            frames, size = self._parse(view, position, end)
+            if frames is None:
+                self._pending = bytearray(view[position:end]) if position else data
+                self._need = size
+                break
+            messages.append(frames)
+            position += size
+        return messages
+
+    def _parse(self, view: memoryview, position: int, end: int) -> tuple[list | None, int]:
+        """The message at ``position`` and its size; (None, bytes needed, 0 when not known
+        yet) when it is not complete."""
+        if end - position < 8:
+            return None, 0
+        count = int.from_bytes(view[position:position + 4], "little")
+        if not 0 < count <= self._max_frames:
+            raise RemoteProtocolError(f"shared-memory stream: message with {count} frames (limit {self._max_frames})")
+        header = 8 + 8 * count
+        if end - position < header:
+            return None, 0
+        lengths = struct.unpack_from(f"<{count}Q", view, position + 8)
+        total = sum(lengths)
+        if total > self._max_bytes:
+            raise RemoteProtocolError(f"shared-memory stream: message of {total} bytes (limit {self._max_bytes})")
+        size = header + total + sum(_pad(length) for length in lengths)
+        if end - position < size:
+            return None, size
+        if len(view) > _SHARE_MAX and size < len(view) // 4:
+            # A small message in a big chunk gets its own copy: its frames (tensors decoded in
+            # place) must not keep the whole chunk alive.
+            view, position = memoryview(bytearray(view[position:position + size])), 0
+        frames = []
+        at = position + header
+        for length in lengths:
+            frames.append(view[at:at + length])
+            at += length + _pad(length)
+        return frames, size
+
+
+class Bell:
+    """This process's doorbell: a datagram socket in Linux's abstract namespace (nothing in
+    the file system, gone with the process). ``fd`` is for pollers; ``address`` for peers."""
+
+    def __init__(self) -> None:
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        self.address = _BELL_PREFIX + os.urandom(12).hex()
+        self._socket.bind("\0" + self.address)
+        self.fd = self._socket.fileno()
+
+    def ring(self) -> None:
+        """Ring our own doorbell: for data a thread leaves for whoever sleeps."""
+        try:
+            self._socket.sendto(_BELL_BYTE, "\0" + self.address)
+        except OSError:
+            pass  # a full queue: it is ringing already
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+def open_bell(address: str) -> socket.socket:
+    """A socket that rings the doorbell at ``address`` (a peer's :attr:`Bell.address`).
+    Raises OSError where it cannot be reached (another network namespace), ValueError for an
+    address that is not a doorbell's."""
+    if not address.startswith(_BELL_PREFIX) or len(address) > 100:
+        raise ValueError(f"{address!r:.120} is not a doorbell address")
+    bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        bell.connect("\0" + address)
+    except OSError:
+        bell.close()
+        raise
+    return bell
+
+
+def ring_bell(bell: socket.socket) -> None:
+    """Wake the peer's sleeping reader. A full queue already wakes it; a gone peer is found
+    out by the connection monitor."""
+    try:
+        bell.send(_BELL_BYTE)
+    except OSError:
+        pass
+
+
+def drain(fd: int) -> None:
+    """Empty our doorbell (before reading the rings: a call that comes after is for data that
+    comes after)."""
+    try:
+        while True:
+            os.read(fd, 16)
+    except (BlockingIOError, InterruptedError):
+        pass
