@@ -36,6 +36,8 @@ peer without a connection an error, never a silent drop.
 Opt-in busy polling (``EndpointOptions.busy_poll``): after application traffic the I/O thread
 keeps polling, yielding its CPU between polls, instead of sleeping, for that long; where waking
 a sleeping thread is slow (VMs), answers then find a thread already running (docs/transport.md).
+With peers on shared-memory rings (transport/shm.py) it does so for ``EndpointOptions.spin``
+at least, and waiting threads spin that long before they sleep.
 
 Peer loss is detected three ways, whichever is first: the connection closes (monitor events;
 immediate when a process dies), nothing heard for ``peer_timeout`` (application heartbeats,
@@ -518,7 +520,7 @@ class Endpoint:
                         return False
                 if spin and self._rings_in:
                     until = time.monotonic() + spin
-                    spun = self._spin(ready, until if deadline is None else min(until, deadline))
+                    spun = self._spin(waiter, ready, until if deadline is None else min(until, deadline))
                     if spun:
                         return True
                     if spun is None:
@@ -532,7 +534,7 @@ class Endpoint:
         finally:
             waiter.waiting = False
 
-    def _spin(self, ready: Callable[[], bool], until: float) -> bool | None:
+    def _spin(self, waiter: Waiter, ready: Callable[[], bool], until: float) -> bool | None:
         """Receive without sleeping until ``ready()`` (True) or ``until`` (False), yielding
         the CPU (and the GIL) between looks; None: nothing was ready, but a ring got data as
         the spin ended (look again before sleeping). One thread spins at a time; while it
@@ -544,10 +546,16 @@ class Endpoint:
             for record in self._rings_in:
                 record.ring_in.set_spinning(True)
         clock = time.monotonic
+        has_input = waiter.has_input
+        rings = self._rings_in
         result = False
         try:
             while True:
-                self._read_for_waiter()
+                # Cheap looks first (the rings' counters, our descriptors): the full receive
+                # takes the socket lock and asks libzmq.
+                if _rings_have_data(rings) or has_input():
+                    self._read_for_waiter()
+                    rings = self._rings_in
                 if ready():
                     result = True
                     break
@@ -788,6 +796,7 @@ class Endpoint:
         wake, router = self._wake_pull, self._router
         socket_lock = self._socket_lock
         busy_poll = self.options.busy_poll
+        spin = self.options.spin
         busy_until = 0.0  # with busy_poll: spin instead of sleeping until then (monotonic)
         while True:
             timeout = 0.0
@@ -833,8 +842,12 @@ class Endpoint:
                 self._run_inline()
             if closing:
                 return
-            if active and busy_poll:
-                busy_until = time.monotonic() + busy_poll
+            # With peers on shared-memory rings, the I/O thread spins for ``spin`` after
+            # traffic too: answers that reach no waiting thread (rpc_async callers, who wait
+            # on torch futures) then need no wake-up either.
+            window = max(busy_poll, spin) if self._rings_in else busy_poll
+            if active and window:
+                busy_until = time.monotonic() + window
 
     def _run_inline(self) -> None:
         """Run the handlers of what the last batch received (inline_handlers), in order."""
@@ -1551,6 +1564,18 @@ def _spin_poll(poll: Callable[[float], bool], until: float) -> bool:
         if clock() >= until:
             return False
         _yield_cpu()
+
+
+def _rings_have_data(rings: tuple) -> bool:
+    """Whether any of these peers' rings holds unread data, without the socket lock: a ring
+    closed meanwhile counts as data (the receive that follows, under the lock, sorts it out)."""
+    try:
+        for record in rings:
+            if record.ring_in.has_data():
+                return True
+    except (ValueError, AttributeError):
+        return True
+    return False
 
 
 def _frames_nbytes(frames: list) -> int:

@@ -90,6 +90,11 @@ class Waiter:
             except (BlockingIOError, OSError):
                 pass  # already readable (a full pipe), or closed: nobody sleeps on it
 
+    def has_input(self) -> bool:
+        """Whether a sleep would return at once: woken, or (when attached) input on the
+        ROUTER or the doorbell. For spinning waiters; it consumes nothing."""
+        return bool(self._poller.poll(0))
+
     def sleep(self, timeout: float | None) -> None:
         """Sleep until woken, until the ROUTER has input (when it ``reads``), or ``timeout``
         seconds; a wake-up that came before returns at once."""
