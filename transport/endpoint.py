@@ -506,6 +506,8 @@ class Endpoint:
             self._become_reading_waiter(waiter)
         deadline = None if timeout is None else time.monotonic() + timeout
         spin = self.options.spin if waiter.reads else 0.0
+        if type(waiter) is Waiter:
+            waiter.sleeper = threading.get_ident()
         try:
             while True:
                 if waiter.reads:

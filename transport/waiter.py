@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import select
-from _thread import allocate_lock
+from _thread import allocate_lock, get_ident
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,11 @@ class Waiter:
     the descriptor readable, so the sleep returns at once.
     """
 
-    __slots__ = ("waiting", "reads", "_read_fd", "_write_fd", "_poller", "_epoll", "__weakref__")
+    __slots__ = ("waiting", "sleeper", "reads", "_read_fd", "_write_fd", "_poller", "_epoll", "__weakref__")
 
     def __init__(self, reads: bool = False) -> None:
         self.waiting = False
+        self.sleeper = 0  # the thread that waits on it (set by whoever makes it wait)
         self.reads = reads and EXCLUSIVE is not None
         if _HAS_EVENTFD:
             self._read_fd = self._write_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -83,8 +84,11 @@ class Waiter:
             pass  # closed meanwhile (its thread is gone)
 
     def wake(self) -> None:
-        """Wake the thread if it sleeps (any thread may call this, any number of times)."""
-        if self.waiting:
+        """Wake the thread if it sleeps (any thread may call this, any number of times). The
+        waiting thread itself, which completes what it waits for while it receives, needs no
+        wake-up: it looks at its condition before it sleeps (saves a system call, and a
+        spurious wake-up of its next wait)."""
+        if self.waiting and self.sleeper != get_ident():
             try:
                 os.write(self._write_fd, b"\1\0\0\0\0\0\0\0")
             except (BlockingIOError, OSError):
