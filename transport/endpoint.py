@@ -1271,6 +1271,8 @@ class Endpoint:
             return
         routing_id = record.routing_id
         for _ in range(_RING_READS):
+            if record.decoder is None:
+                return  # the peer was lost while we handed over what we read
             chunk = ring.read(_RING_CHUNK)
             if chunk is None:
                 return
