@@ -597,6 +597,11 @@ class Endpoint:
         self._dispatch_queue.put(None if function is None else (function, args))
         self._dispatch_waiter.wake()
 
+    def through_shared_memory(self, peer: str) -> bool:
+        """Whether messages to ``peer`` go through a shared-memory ring now (transport/shm.py)."""
+        record = self._peers.get(peer)
+        return record is not None and record.ring_out is not None
+
     def peers(self) -> dict[str, str]:
         """Every known peer and its state ('expected', 'connecting', 'ready', 'lost')."""
         with self._lock:

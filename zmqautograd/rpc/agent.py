@@ -644,8 +644,10 @@ class Agent:
             return
         if to == me:
             self._complete(self._loopback(frames))
-        elif self.pool.should_hold():
-            # More calls wait for this thread: the answer leaves with theirs (pool.py, "Held work").
+        elif self.pool.should_hold() and not self.endpoint.through_shared_memory(to):
+            # More calls wait for this thread: the answer leaves with theirs (pool.py, "Held
+            # work"). Not to a caller on a shared-memory ring: a send there costs no wake-up
+            # of libzmq's thread, so holding would only delay the answer.
             self.pool.hold(self._send_answer, to, reply.id, frames, reply.type)
         else:
             self._send_answer(to, reply.id, frames, reply.type)
