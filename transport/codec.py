@@ -284,7 +284,7 @@ class Codec:
             error = MessageTooLargeError(f"message is {total} bytes, the limit is {self.max_message_bytes}")
             error.message_id = _peek_message_id(frames[0])  # so the refusal names the message
             raise error
-        raw = _frame_bytes(frames[0])
+        raw = _frame_buffer(frames[0])
         try:
             header = msgpack.unpackb(raw, use_list=True, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises many types for garbage; all mean the same
@@ -473,3 +473,9 @@ def _frame_bytes(frame: Any) -> bytes:
     if hasattr(frame, "bytes"):
         return frame.bytes
     return bytes(frame)
+
+
+def _frame_buffer(frame: Any) -> Any:
+    """A frame's bytes for a reader that takes any buffer (msgpack): a zmq.Frame's cached
+    bytes, anything else as it is, uncopied (frames from a shared-memory ring)."""
+    return frame.bytes if hasattr(frame, "bytes") else frame

@@ -428,7 +428,8 @@ class Endpoint:
                     self._post_locked(("send", peer, message_id, frames, nbytes))
                 return
             self._send_to_peer(peer, message_id, frames, nbytes)
-            needs_io = self._io_needed_after_send()
+            # A message that went to a ring did not touch the ROUTER: nothing to look after.
+            needs_io = self._io_needed_after_send() if record.ring_out is None else bool(self._closing)
         if needs_io and self._io_asleep:
             with self._lock:
                 self._wake_io_locked()
@@ -555,7 +556,11 @@ class Endpoint:
             while True:
                 # Cheap looks first (the rings' counters, our descriptors): the full receive
                 # takes the socket lock and asks libzmq.
-                if _rings_have_data(rings) or has_input():
+                if _rings_have_data(rings):
+                    # Seen on the rings themselves: no doorbell to empty (a system call).
+                    self._read_for_waiter(drain=False)
+                    rings = self._rings_in
+                elif has_input():
                     self._read_for_waiter()
                     rings = self._rings_in
                 if ready():
@@ -577,13 +582,14 @@ class Endpoint:
                     self._bell.ring()  # we leave: whoever sleeps takes it
         return None if missed and not result else result
 
-    def _read_for_waiter(self) -> None:
-        """Receive what waits in the ROUTER, on a waiting thread (as the I/O thread would)."""
+    def _read_for_waiter(self, drain: bool = True) -> None:
+        """Receive what waits in the ROUTER (and the rings), on a waiting thread (as the I/O
+        thread would); ``drain``: empty the doorbell first."""
         with self._socket_lock:
             if not self._router_open:
                 return
             # The I/O thread finishes what we leave: a long burst, connections gone.
-            needs_io = self._receive_batch() or bool(self._closing)
+            needs_io = self._receive_batch(drain) or bool(self._closing)
         if needs_io and self._io_asleep:
             with self._lock:
                 self._wake_io_locked()
@@ -978,11 +984,11 @@ class Endpoint:
         if message_id and self._on_send_error is not None:
             self._to_dispatcher(self._on_send_error, (peer, message_id, error))
 
-    def _receive_batch(self) -> bool:
+    def _receive_batch(self, drain: bool = True) -> bool:
         """Receive up to a batch of messages (caller holds the socket lock); whether input
-        still waits."""
+        still waits. ``drain``: empty the doorbell before reading the rings."""
         if self._bell is not None:
-            self._receive_rings()
+            self._receive_rings(drain)
         router = self._router
         recv = router.recv
         for _ in range(_RECV_BATCH):
@@ -1261,10 +1267,11 @@ class Endpoint:
             record.ring_in.set_spinning(True)
         self._read_ring(record)  # it may have written already
 
-    def _receive_rings(self) -> None:
-        """Read every ring (under the socket lock), after emptying the doorbell; write what
-        waited for room in the peers' rings."""
-        shm.drain(self._bell.fd)
+    def _receive_rings(self, drain: bool = True) -> None:
+        """Read every ring (under the socket lock), after emptying the doorbell (``drain``);
+        write what waited for room in the peers' rings."""
+        if drain:
+            shm.drain(self._bell.fd)
         for record in self._rings_in:
             self._read_ring(record)
         if self._unwritten:

@@ -45,7 +45,7 @@ from typing import Any
 import msgpack
 import torch
 
-from .codec import _frame_bytes
+from .codec import _frame_buffer, _frame_bytes
 from .errors import RemoteProtocolError
 from .tensors import as_buffer
 
@@ -164,8 +164,9 @@ def encode_table(entries: list[list[int]]) -> bytes:
 
 def is_table(frame: Any) -> bool:
     """Whether a message's first frame is a lent-buffer table rather than an envelope."""
-    # A received frame keeps its bytes once made, and the envelope decoder wants them anyway.
-    return _frame_bytes(frame)[:1] == _MARK_BYTE
+    # A received zmq.Frame keeps its bytes once made, and the envelope decoder wants them
+    # anyway; other frames (from a shared-memory ring) are not copied for one byte.
+    return _frame_buffer(frame)[:1] == _MARK_BYTE
 
 
 def decode_table(frame: Any, buffer_frames: list) -> list[tuple[int, int, int, int]]:
