@@ -1,12 +1,12 @@
 """Same-host channels: a byte ring in shared memory per direction, and a doorbell per process.
 
-Pure mechanics, no sockets and no threads: the endpoint (transport/endpoint.py, "Shared
-memory") decides when a peer's messages go this way and which thread reads.
+Pure mechanics, no sockets and no threads: the endpoint (transport/endpoint.py, its
+"shared-memory rings" methods) decides when a peer's messages go this way and which thread reads.
 
 Why: between two processes on one host, a message through ZeroMQ wakes four sleeping threads
 (libzmq's I/O thread on each side, then the receiver's own thread) and crosses the kernel
 twice. On the development VM each wake-up costs tens to hundreds of microseconds, more than
-the Python work of a call (README, "Where the time goes"). Through a ring, the sender copies
+the Python work of a call (README, "Figures"). Through a ring, the sender copies
 the message into memory the receiver maps; a receiver that is spinning sees it at once, one
 that sleeps is woken by one byte on its doorbell. This is how TensorPipe's ``shm`` transport
 works, except that its reactor spins all the time and ours only while a thread waits for
@@ -70,7 +70,6 @@ _HEAD, _TAIL, _SPINNING, _WRITER_WAITING = 0, 64, 128, 192
 _DATA = 256  # the data bytes start here (the header's four cache lines)
 _MAGIC = b"zmqautograd-ring\0"  # at _DATA - 32: a file that is not one of ours is refused
 _U64 = struct.Struct("<Q")
-_HEADER_ALIGN = 8
 _BELL_BYTE = b"\0"
 _BELL_PREFIX = "zmqautograd-bell-"
 _ZEROS = bytes(8)
