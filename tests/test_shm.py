@@ -305,3 +305,23 @@ def test_a_killed_peer_is_lost_and_its_ring_released():
     finally:
         client.close()
         process.stop()
+
+
+def test_waiting_threads_stop_spinning_once_their_spin_is_over():
+    # After traffic, a thread waiting for a message that does not come spins for ``spin``
+    # (and the I/O thread as long), then sleeps: over 1.5 s of such a wait the process uses a
+    # small fraction of a CPU, where a spin that never ended would use all of one.
+    a, b, _lost = _pair()
+    try:
+        _wait_for(lambda: a.stats()["b"].shared_memory and b.stats()["a"].shared_memory)
+        for seq in range(100):
+            a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
+            assert b.recv(30).payload == seq
+        cpu_before = time.process_time()
+        with pytest.raises(TimeoutError):
+            b.recv(1.5)  # spins 2 ms, then sleeps until the timeout
+        used = time.process_time() - cpu_before
+        assert used < 0.5, f"an idle wait of 1.5 s used {used:.2f} s of CPU"
+    finally:
+        a.close()
+        b.close()
