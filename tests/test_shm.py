@@ -325,3 +325,23 @@ def test_waiting_threads_stop_spinning_once_their_spin_is_over():
     finally:
         a.close()
         b.close()
+
+
+def test_a_peer_whose_doorbell_cannot_be_reached_stays_on_the_socket(monkeypatch):
+    # As between network namespaces, whose abstract sockets cannot reach each other: the
+    # offer is declined on that side, and messages keep flowing through the socket, in order.
+    def unreachable(address):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(shm, "open_bell", unreachable)
+    a, b, _lost = _pair()
+    try:
+        for seq in range(200):
+            a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
+        assert [b.recv(30).payload for _ in range(200)] == list(range(200))
+        b.send("a", Message(MessageType.PYTHON_RET, 1, "b", "back"))
+        assert a.recv(30).payload == "back"
+        assert not a.stats()["b"].shared_memory and not b.stats()["a"].shared_memory
+    finally:
+        a.close()
+        b.close()
