@@ -191,6 +191,7 @@ class _Peer:
     ring_in_active: bool = False
     decoder: Any = None
     ring_out: Any = None
+    peer_flags: Any = None  # its Flags page (transport/shm.py), mapped with ring_out
     unwritten: deque = field(default_factory=deque)
     bell: Any = None
     ring_pid: int | None = None  # its pid, from its HELLO: the process whose ring we map
@@ -277,6 +278,7 @@ class Endpoint:
         # with bytes that had no room in their ring yet, whether a thread spins.
         self._shm_host = lending.host_key() if self.options.shm_ring and shm.SUPPORTED else None
         self._bell: shm.Bell | None = None
+        self._flags: shm.Flags | None = None  # our spinning / pending flags, mapped by writers
         self._rings_in: tuple = ()
         self._unwritten: set[str] = set()
         self._spinning = False
@@ -546,23 +548,21 @@ class Endpoint:
             if self._spinning or not self._router_open:
                 return False
             self._spinning = True
-            for record in self._rings_in:
-                record.ring_in.set_spinning(True)
+            self._flags.set_spinning(True)
+        flags = self._flags
         clock = time.monotonic
         has_input = waiter.has_input
-        rings = self._rings_in
         result = False
         try:
             while True:
-                # Cheap looks first (the rings' counters, our descriptors): the full receive
-                # takes the socket lock and asks libzmq.
-                if _rings_have_data(rings):
-                    # Seen on the rings themselves: no doorbell to empty (a system call).
+                # Cheap looks first (one word of shared memory, our descriptors): the full
+                # receive takes the socket lock, asks libzmq and looks at every ring.
+                if flags.take_pending():
+                    shm.fence()  # see Flags.take_pending
+                    # Seen in shared memory: no doorbell to empty (a system call).
                     self._read_for_waiter(drain=False)
-                    rings = self._rings_in
                 elif has_input():
                     self._read_for_waiter()
-                    rings = self._rings_in
                 if ready():
                     result = True
                     break
@@ -572,14 +572,15 @@ class Endpoint:
         finally:
             with self._socket_lock:
                 self._spinning = False
-                for record in self._rings_in:
-                    record.ring_in.set_spinning(False)
-                # A writer that saw us spinning did not ring: look once more, after the
-                # fence that orders our "not spinning" before the look (transport/shm.py).
-                shm.fence()
-                missed = any(record.ring_in.has_data() for record in self._rings_in)
-                if missed and result and self._router_open:
-                    self._bell.ring()  # we leave: whoever sleeps takes it
+                missed = False
+                if self._router_open:
+                    flags.set_spinning(False)
+                    # A writer that saw us spinning did not ring: look once more, after the
+                    # fence that orders our "not spinning" before the look (transport/shm.py).
+                    shm.fence()
+                    missed = flags.pending()
+                    if missed and result:
+                        self._bell.ring()  # we leave: whoever sleeps takes it
         return None if missed and not result else result
 
     def _read_for_waiter(self, drain: bool = True) -> None:
@@ -758,6 +759,7 @@ class Endpoint:
         if self._shm_host is not None:
             try:
                 self._bell = shm.Bell()
+                self._flags = shm.Flags.create()
                 self._shared_fds.append(self._bell.fd)
             except OSError as exc:
                 log.info("endpoint %s: no doorbell (%s): messages to peers on this host go through the socket",
@@ -786,6 +788,11 @@ class Endpoint:
                 self._close_rings(record)
             if self._bell is not None:
                 self._bell.close()
+            if self._flags is not None:
+                # Peers can no longer map it; the mapping itself stays until the endpoint is
+                # collected, since a thread may still be spinning on it (it leaves once it
+                # sees the endpoint closed).
+                self._flags.close_descriptor()
         router = getattr(self, "_router", None)
         if router is not None:
             try:
@@ -888,8 +895,8 @@ class Endpoint:
                 _, peer, address = command
                 self._connect(peer, address)
             elif kind == "shm_start":
-                _, peer, ring = command
-                self._start_ring(peer, ring)
+                _, peer, ring, flags = command
+                self._start_ring(peer, ring, flags)
             elif kind == "close":
                 self._finish_rings()
                 self._say_goodbye()
@@ -1211,7 +1218,8 @@ class Endpoint:
         # One frame more than the codec allows: a lent-buffer table may come first.
         record.decoder = shm.StreamDecoder(self.codec.max_frames + 1, self.codec.max_message_bytes + (1 << 20))
         self._send_control(record.name, MessageType.SHM_OFFER,
-                           {"fd": ring.fd, "capacity": ring.capacity, "bell": self._bell.address})
+                           {"fd": ring.fd, "capacity": ring.capacity, "flags": self._flags.fd,
+                            "bell": self._bell.address})
 
     def _ring_offered(self, record: _Peer, envelope: Envelope) -> None:
         """The peer made a ring for us: map it, then (through the outbox, so behind every
@@ -1222,17 +1230,22 @@ class Endpoint:
         try:
             if not isinstance(payload, dict):
                 raise ValueError("malformed SHM_OFFER")
-            fd, capacity = payload.get("fd"), payload.get("capacity")
-            if type(fd) is not int or type(capacity) is not int or fd < 0 or capacity <= 0:
+            fd, capacity, flags_fd = payload.get("fd"), payload.get("capacity"), payload.get("flags")
+            if not all(type(v) is int and v >= 0 for v in (fd, capacity, flags_fd)) or not capacity:
                 raise ValueError("malformed SHM_OFFER")
             self._open_bell(record, payload)
-            ring = shm.Ring.open(record.ring_pid, fd, capacity)
+            flags = shm.Flags.open(record.ring_pid, flags_fd)
+            try:
+                ring = shm.Ring.open(record.ring_pid, fd, capacity)
+            except BaseException:
+                flags.close()
+                raise
         except (OSError, ValueError) as exc:
             log.info("endpoint %s: cannot use the ring of %s (%s): messages to it go through the socket",
                      self.identity, record.name, exc)
             return
         with self._lock:
-            self._post_locked(("shm_start", record.name, ring))
+            self._post_locked(("shm_start", record.name, ring, flags))
 
     def _open_bell(self, record: _Peer, payload: dict) -> None:
         if record.bell is None:
@@ -1241,14 +1254,15 @@ class Endpoint:
                 raise ValueError("no doorbell address")
             record.bell = shm.open_bell(address)
 
-    def _start_ring(self, peer: str, ring: shm.Ring) -> None:
+    def _start_ring(self, peer: str, ring: shm.Ring, flags: shm.Flags) -> None:
         """On the I/O thread, in outbox order: SHM_START through the socket, then the ring."""
         record = self._peers.get(peer)
         if record is None or record.state is not PeerState.READY or record.ring_out is not None:
             ring.close()
+            flags.close()
             return
         self._send_control(peer, MessageType.SHM_START, {"bell": self._bell.address})
-        record.ring_out = ring
+        record.ring_out, record.peer_flags = ring, flags
 
     def _ring_started(self, record: _Peer, envelope: Envelope) -> None:
         """Everything the peer sent through the socket before it came first: read its ring."""
@@ -1263,8 +1277,6 @@ class Endpoint:
         record.ring_in.mapped_by_writer()
         record.ring_in_active = True
         self._rings_in = (*self._rings_in, record)
-        if self._spinning:
-            record.ring_in.set_spinning(True)
         self._read_ring(record)  # it may have written already
 
     def _receive_rings(self, drain: bool = True) -> None:
@@ -1334,8 +1346,10 @@ class Endpoint:
             if asked:
                 ring.set_writer_waiting(False)
         if wrote:
-            shm.fence()  # the new tail before the look at the reader's flag
-            if record.bell is not None and not ring.reader_spinning():
+            flags = record.peer_flags
+            flags.mark_pending()
+            shm.fence()  # our new tail and mark before the look at the reader's flag
+            if record.bell is not None and not flags.spinning():
                 shm.ring_bell(record.bell)
 
     def _flush_unwritten(self) -> None:
@@ -1365,9 +1379,10 @@ class Endpoint:
             record.ring_in.close()
         if record.ring_out is not None:
             record.ring_out.close()
+            record.peer_flags.close()
         if record.bell is not None:
             record.bell.close()
-        record.ring_in = record.decoder = record.ring_out = record.bell = None
+        record.ring_in = record.decoder = record.ring_out = record.peer_flags = record.bell = None
         record.ring_in_active = False
         record.unwritten.clear()
         self._unwritten.discard(record.name)
@@ -1580,18 +1595,6 @@ def _spin_poll(poll: Callable[[float], bool], until: float) -> bool:
         if clock() >= until:
             return False
         _yield_cpu()
-
-
-def _rings_have_data(rings: tuple) -> bool:
-    """Whether any of these peers' rings holds unread data, without the socket lock: a ring
-    closed meanwhile counts as data (the receive that follows, under the lock, sorts it out)."""
-    try:
-        for record in rings:
-            if record.ring_in.has_data():
-                return True
-    except (ValueError, AttributeError):
-        return True
-    return False
 
 
 def _frames_nbytes(frames: list) -> int:

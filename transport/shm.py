@@ -12,15 +12,19 @@ that sleeps is woken by one byte on its doorbell. This is how TensorPipe's ``shm
 works, except that its reactor spins all the time and ours only while a thread waits for
 something (``EndpointOptions.spin``).
 
-**Ring.** One writer process, one reader process. A header of four counters, each on its own
+**Ring.** One writer process, one reader process. A header of counters, each on its own
 cache line, then ``capacity`` data bytes used as a byte stream:
 
 * ``head``: bytes the reader has consumed (only the reader stores it);
 * ``tail``: bytes the writer has published (only the writer stores it); data is written
   before the tail that publishes it;
-* ``spinning``: the reader has a thread spinning on the ring, so the writer need not ring;
 * ``writer_waiting``: the writer has bytes the ring had no room for; the reader rings the
   writer's doorbell once it has made room.
+
+**Flags.** One page per receiving process, mapped by all its writers (:class:`Flags`):
+``spinning`` (a thread of the reader spins, so writers need not ring) and ``pending`` (a
+writer published since the spinner last looked), so that a spinning thread looks at one word,
+not at every peer's ring.
 
 Positions only grow (64 bits never wrap); the data offset is ``position % capacity``. A
 message can be larger than the ring: the writer keeps what did not fit and writes it as room
@@ -30,8 +34,9 @@ appears, the reader reassembles (:class:`StreamDecoder`).
 visible in program order and whose loads are not reordered with older loads: so a reader
 that sees a tail sees the bytes written before it, and a writer that sees a head may reuse
 the bytes before it. The one reordering x86 allows, a load passing an older store, matters
-for the two flags ("I stop spinning, then look for data" against "I publish data, then look
-whether the reader spins"; likewise for ``writer_waiting``): both sides put :func:`fence`
+for the flag handshakes ("I stop spinning, then look whether data is pending" against "I
+publish data and mark it pending, then look whether the reader spins"; likewise for
+``writer_waiting``): both sides put :func:`fence`
 between the store and the load, a locked instruction, which x86 orders with everything.
 
 **Doorbell.** A datagram socket per process in Linux's abstract namespace: writers send a
@@ -66,9 +71,10 @@ DEFAULT_RING_BYTES = 1 << 20
 DEFAULT_SPIN = 0.002  # seconds (EndpointOptions.spin)
 SUPPORTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
-_HEAD, _TAIL, _SPINNING, _WRITER_WAITING = 0, 64, 128, 192
-_DATA = 256  # the data bytes start here (the header's four cache lines)
-_MAGIC = b"zmqautograd-ring\0"  # at _DATA - 32: a file that is not one of ours is refused
+_HEAD, _TAIL, _WRITER_WAITING = 0, 64, 192
+_DATA = 256  # a ring's data bytes start here (after the header's cache lines)
+_MAGIC = b"zmqautograd-ring\0"  # at _DATA - 32: memory that is not one of our rings is refused
+_FLAGS_MAGIC = b"zmqautograd-flags\0"
 _U64 = struct.Struct("<Q")
 _BELL_BYTE = b"\0"
 _BELL_PREFIX = "zmqautograd-bell-"
@@ -90,6 +96,97 @@ def _pad(n: int) -> int:
     return -n & 7
 
 
+def _create_memfd(name: str, size: int, magic: bytes) -> tuple[mmap.mmap, int]:
+    """Zeroed anonymous shared memory (``memfd``: no file to leave behind) with ``magic`` at
+    ``_DATA - 32``; peers map it through ``/proc/<our pid>/fd/<fd>`` (:func:`_map_peer_memfd`)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    mapping[_DATA - 32:_DATA - 32 + len(magic)] = magic
+    return mapping, fd
+
+
+def _map_peer_memfd(pid: int, fd: int, size: int, magic: bytes, what: str) -> mmap.mmap:
+    """Map the shared memory process ``pid`` made (its descriptor ``fd``). Raises OSError, or
+    ValueError for anything that is not such memory of that size, made by this module."""
+    local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        info = os.fstat(local)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            raise ValueError(f"descriptor {fd} of pid {pid} is not {what}")
+        mapping = mmap.mmap(local, size)
+    finally:
+        os.close(local)
+    if mapping[_DATA - 32:_DATA - 32 + len(magic)] != magic:
+        mapping.close()
+        raise ValueError(f"descriptor {fd} of pid {pid} is not {what}")
+    return mapping
+
+
+class Flags:
+    """A receiving process's two flags, in a page every peer that writes to it maps:
+
+    * ``spinning``: a thread of ours spins on our rings, so writers need not ring;
+    * ``pending``: a writer published data since the spinner last looked. The spinner looks
+      at this one word instead of at every ring (a process may have dozens of peers).
+    """
+
+    _SPINNING, _PENDING = 0, 64
+    SIZE = 4096
+
+    def __init__(self, mapping: mmap.mmap, fd: int | None = None):
+        self.fd = fd  # the creator's descriptor, kept open: peers that come later map it
+        self._map = mapping
+        self._buffer = memoryview(mapping)
+
+    @classmethod
+    def create(cls) -> "Flags":
+        mapping, fd = _create_memfd("zmqautograd-flags", cls.SIZE, _FLAGS_MAGIC)
+        return cls(mapping, fd)
+
+    @classmethod
+    def open(cls, pid: int, fd: int) -> "Flags":
+        return cls(_map_peer_memfd(pid, fd, cls.SIZE, _FLAGS_MAGIC, "a flags page"))
+
+    def close_descriptor(self) -> None:
+        """No peer maps it any more (ours is the creator's descriptor)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def close(self) -> None:
+        self.close_descriptor()
+        self._buffer.release()
+        self._map.close()
+
+    def set_spinning(self, spinning: bool) -> None:
+        _U64.pack_into(self._buffer, self._SPINNING, int(spinning))
+
+    def spinning(self) -> bool:
+        """(A writer's look, after :func:`fence`.)"""
+        return _U64.unpack_from(self._buffer, self._SPINNING)[0] != 0
+
+    def mark_pending(self) -> None:
+        """(A writer, after it published data.)"""
+        _U64.pack_into(self._buffer, self._PENDING, 1)
+
+    def pending(self) -> bool:
+        return _U64.unpack_from(self._buffer, self._PENDING)[0] != 0
+
+    def take_pending(self) -> bool:
+        """Whether data was published since the last take; clears the flag. The caller must
+        :func:`fence` before it reads the rings (a writer's mark may land between our load
+        and our clear: its data is then published already, and the fence lets us see it)."""
+        if _U64.unpack_from(self._buffer, self._PENDING)[0]:
+            _U64.pack_into(self._buffer, self._PENDING, 0)
+            return True
+        return False
+
+
 class Ring:
     """One direction's ring. The reader creates it and tells the writer where to find it;
     both map it."""
@@ -105,32 +202,14 @@ class Ring:
     def create(cls, capacity: int) -> "Ring":
         """A new, zeroed ring in anonymous shared memory (``memfd``: no file to leave behind).
         The writer maps it through ``/proc/<our pid>/fd/<fd>`` (:meth:`open`)."""
-        fd = os.memfd_create("zmqautograd-ring", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, _DATA + capacity)
-            mapping = mmap.mmap(fd, _DATA + capacity)
-        except BaseException:
-            os.close(fd)
-            raise
-        mapping[_DATA - 32:_DATA - 32 + len(_MAGIC)] = _MAGIC
+        mapping, fd = _create_memfd("zmqautograd-ring", _DATA + capacity, _MAGIC)
         return cls(mapping, capacity, fd)
 
     @classmethod
     def open(cls, pid: int, fd: int, capacity: int) -> "Ring":
         """Map the ring process ``pid`` created (its descriptor ``fd``). Raises OSError, or
         ValueError for anything that is not such a ring of that size."""
-        local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-        try:
-            info = os.fstat(local)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != _DATA + capacity:
-                raise ValueError(f"descriptor {fd} of pid {pid} is not a ring of {capacity} bytes")
-            mapping = mmap.mmap(local, _DATA + capacity)
-        finally:
-            os.close(local)
-        if mapping[_DATA - 32:_DATA - 32 + len(_MAGIC)] != _MAGIC:
-            mapping.close()
-            raise ValueError(f"descriptor {fd} of pid {pid} is not a ring")
-        return cls(mapping, capacity)
+        return cls(_map_peer_memfd(pid, fd, _DATA + capacity, _MAGIC, f"a ring of {capacity} bytes"), capacity)
 
     def mapped_by_writer(self) -> None:
         """The writer has the ring mapped: our descriptor is no longer needed."""
@@ -168,10 +247,6 @@ class Ring:
         self._store(_TAIL, tail + size)  # after the data: publishes it
         return size
 
-    def reader_spinning(self) -> bool:
-        """Whether the reader spins on the ring (call after :func:`fence`)."""
-        return self._load(_SPINNING) != 0
-
     def set_writer_waiting(self, waiting: bool) -> None:
         self._store(_WRITER_WAITING, int(waiting))
 
@@ -195,9 +270,6 @@ class Ring:
             chunk += self._data[:size - first]
         self._store(_HEAD, head + size)  # after the copy: the writer may now reuse the bytes
         return chunk
-
-    def set_spinning(self, spinning: bool) -> None:
-        self._store(_SPINNING, int(spinning))
 
     def take_writer_waiting(self) -> bool:
         """Whether the writer waits for room (call after :func:`fence`); clears the flag."""
