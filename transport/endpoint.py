@@ -1274,7 +1274,7 @@ class Endpoint:
         except (OSError, ValueError) as exc:
             # It then learns of room in the ring on its heartbeat ticks only.
             log.warning("endpoint %s: cannot open the doorbell of %s: %s", self.identity, record.name, exc)
-        record.ring_in.mapped_by_writer()
+        record.ring_in.close_descriptor()  # the writer has it mapped
         record.ring_in_active = True
         self._rings_in = (*self._rings_in, record)
         self._read_ring(record)  # it may have written already

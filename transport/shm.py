@@ -127,7 +127,28 @@ def _map_peer_memfd(pid: int, fd: int, size: int, magic: bytes, what: str) -> mm
     return mapping
 
 
-class Flags:
+class _Shared:
+    """Memory shared with a peer: the mapping, and the creator's descriptor, which it keeps
+    while peers may still map the memory."""
+
+    def __init__(self, mapping: mmap.mmap, fd: int | None):
+        self.fd = fd
+        self._map = mapping
+        self._buffer = memoryview(mapping)
+
+    def close_descriptor(self) -> None:
+        """No peer maps it any more (or none will): the creator's descriptor goes."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def close(self) -> None:
+        self.close_descriptor()
+        self._buffer.release()
+        self._map.close()
+
+
+class Flags(_Shared):
     """A receiving process's two flags, in a page every peer that writes to it maps:
 
     * ``spinning``: a thread of ours spins on our rings, so writers need not ring;
@@ -138,11 +159,6 @@ class Flags:
     _SPINNING, _PENDING = 0, 64
     SIZE = 4096
 
-    def __init__(self, mapping: mmap.mmap, fd: int | None = None):
-        self.fd = fd  # the creator's descriptor, kept open: peers that come later map it
-        self._map = mapping
-        self._buffer = memoryview(mapping)
-
     @classmethod
     def create(cls) -> "Flags":
         mapping, fd = _create_memfd("zmqautograd-flags", cls.SIZE, _FLAGS_MAGIC)
@@ -150,18 +166,7 @@ class Flags:
 
     @classmethod
     def open(cls, pid: int, fd: int) -> "Flags":
-        return cls(_map_peer_memfd(pid, fd, cls.SIZE, _FLAGS_MAGIC, "a flags page"))
-
-    def close_descriptor(self) -> None:
-        """No peer maps it any more (ours is the creator's descriptor)."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def close(self) -> None:
-        self.close_descriptor()
-        self._buffer.release()
-        self._map.close()
+        return cls(_map_peer_memfd(pid, fd, cls.SIZE, _FLAGS_MAGIC, "a flags page"), None)
 
     def set_spinning(self, spinning: bool) -> None:
         _U64.pack_into(self._buffer, self._SPINNING, int(spinning))
@@ -187,15 +192,13 @@ class Flags:
         return False
 
 
-class Ring:
+class Ring(_Shared):
     """One direction's ring. The reader creates it and tells the writer where to find it;
-    both map it."""
+    both map it. The creator's descriptor goes once the writer has mapped it."""
 
     def __init__(self, mapping: mmap.mmap, capacity: int, fd: int | None = None):
+        super().__init__(mapping, fd)
         self.capacity = capacity
-        self.fd = fd  # the creator's descriptor, kept until the writer has mapped the ring
-        self._map = mapping
-        self._buffer = memoryview(mapping)
         self._data = self._buffer[_DATA:_DATA + capacity]
 
     @classmethod
@@ -211,17 +214,9 @@ class Ring:
         ValueError for anything that is not such a ring of that size."""
         return cls(_map_peer_memfd(pid, fd, _DATA + capacity, _MAGIC, f"a ring of {capacity} bytes"), capacity)
 
-    def mapped_by_writer(self) -> None:
-        """The writer has the ring mapped: our descriptor is no longer needed."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
     def close(self) -> None:
-        self.mapped_by_writer()
         self._data.release()
-        self._buffer.release()
-        self._map.close()
+        super().close()
 
     def _load(self, offset: int) -> int:
         return _U64.unpack_from(self._buffer, offset)[0]
