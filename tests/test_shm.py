@@ -45,7 +45,9 @@ def _pump(writer: shm.Ring, reader: shm.Ring, decoder: shm.StreamDecoder, messag
     both sides); the messages decoded, as lists of bytes."""
     out, pending = [], []
     for message in messages:
-        pending.extend(shm.encode(message))
+        pieces = shm.encode(message)
+        assert all(len(piece) for piece in pieces)  # a writer takes 0 bytes as "the ring is full"
+        pending.extend(pieces)
         while pending:
             written = writer.write(pending[0])
             if written == len(pending[0]):
@@ -73,6 +75,26 @@ def test_the_ring_carries_messages_of_any_size_whole_and_in_order(capacity, read
         decoder = shm.StreamDecoder(max_frames=8, max_message_bytes=1 << 20)
         assert _pump(writer, reader, decoder, messages, read_limit) == messages
         assert not reader.has_data()
+    finally:
+        writer.close()
+        reader.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0, 8, 1000, 4096, 8192, 65536, 4097]), min_size=1, max_size=6))
+def test_encode_never_yields_an_empty_piece(sizes):
+    # Big frames go as they are, small parts are joined: two big 8-byte multiples in a row
+    # once produced an empty join between them, which a writer could never write.
+    frames = [bytes(size) for size in sizes]
+    pieces = shm.encode(frames)
+    assert all(len(piece) for piece in pieces)
+    reader = shm.Ring.create(1 << 20)
+    writer = shm.Ring.open(os.getpid(), reader.fd, 1 << 20)
+    try:
+        for piece in pieces:
+            assert writer.write(piece) == len(piece)
+        [decoded] = shm.StreamDecoder(8, 1 << 20).feed(reader.read(1 << 20))
+        assert [bytes(frame) for frame in decoded] == frames
     finally:
         writer.close()
         reader.close()
@@ -181,6 +203,21 @@ def test_messages_still_queued_for_a_full_ring_leave_before_goodbye():
         a.close()
         b.close()
     assert _mapped_rings() == before  # closed endpoints hold no ring memory
+
+
+def test_a_message_of_several_big_frames_goes_through_the_ring():
+    # Tensors of 64 KiB (below lend_min: not lent) travel as frames of their own, one after
+    # the other, with nothing to join between them.
+    a, b, _lost = _pair()
+    try:
+        _wait_for(lambda: a.stats()["b"].shared_memory)
+        tensors = [torch.randn(16384), torch.randn(16384), torch.arange(8192, dtype=torch.int64)]
+        a.send("b", Message(MessageType.PYTHON_CALL, 1, "a", tensors))
+        received = b.recv(30).payload
+        assert all(torch.equal(x, y) for x, y in zip(received, tensors))
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_malformed_ring_stream_loses_that_peer_and_the_endpoint_goes_on():

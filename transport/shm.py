@@ -276,22 +276,28 @@ class Ring(_Shared):
 
 def encode(frames: Sequence[Any]) -> list:
     """A message's frames as the byte pieces to append to a ring, in order: small parts are
-    joined (one copy into the ring for a small message), big frames go as they are."""
+    joined (one copy into the ring for a small message), big frames go as they are. Never an
+    empty piece: a writer takes 0 bytes of one and waits for room that never comes."""
     views = [memoryview(frame).cast("B") for frame in frames]
     small: list = [struct.pack(f"<II{len(views)}Q", len(views), 0, *[view.nbytes for view in views])]
-    pieces = []
+    pieces: list = []
+
+    def flush_small() -> None:
+        joined = b"".join(small)
+        if joined:
+            pieces.append(memoryview(joined))
+        small.clear()
+
     for view in views:
-        pad = _pad(view.nbytes)
         if view.nbytes >= _JOIN_MAX:
-            pieces.append(memoryview(b"".join(small)))
+            flush_small()
             pieces.append(view)
-            small = []
         else:
             small.append(view)
+        pad = _pad(view.nbytes)
         if pad:
             small.append(_ZEROS[:pad])
-    if small:
-        pieces.append(memoryview(b"".join(small)))
+    flush_small()
     return pieces
 
 
