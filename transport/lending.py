@@ -45,7 +45,7 @@ from typing import Any
 import msgpack
 import torch
 
-from .codec import _frame_buffer, _frame_bytes
+from .codec import _frame_buffer
 from .errors import RemoteProtocolError
 from .tensors import as_buffer
 
@@ -173,7 +173,7 @@ def decode_table(frame: Any, buffer_frames: list) -> list[tuple[int, int, int, i
     """``(frame_index, transfer_id, address, nbytes)`` of each lent buffer, checked against the
     message's buffer frames (those after the envelope). Raises RemoteProtocolError."""
     try:
-        entries = msgpack.unpackb(_frame_bytes(frame)[1:], use_list=True, raw=False)
+        entries = msgpack.unpackb(_frame_buffer(frame)[1:], use_list=True, raw=False)
     except Exception as exc:  # msgpack raises many types for garbage; all mean the same
         raise RemoteProtocolError(f"lent-buffer table is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(entries, list) or not entries:

@@ -147,6 +147,19 @@ class _Shared:
         self._buffer.release()
         self._map.close()
 
+    def _load(self, offset: int) -> int:
+        return _U64.unpack_from(self._buffer, offset)[0]
+
+    def _store(self, offset: int, value: int) -> None:
+        _U64.pack_into(self._buffer, offset, value)
+
+    def _take(self, offset: int) -> bool:
+        """Whether the flag at ``offset`` is set; clears it (only its one reader does)."""
+        if self._load(offset):
+            self._store(offset, 0)
+            return True
+        return False
+
 
 class Flags(_Shared):
     """A receiving process's two flags, in a page every peer that writes to it maps:
@@ -169,27 +182,24 @@ class Flags(_Shared):
         return cls(_map_peer_memfd(pid, fd, cls.SIZE, _FLAGS_MAGIC, "a flags page"), None)
 
     def set_spinning(self, spinning: bool) -> None:
-        _U64.pack_into(self._buffer, self._SPINNING, int(spinning))
+        self._store(self._SPINNING, int(spinning))
 
     def spinning(self) -> bool:
         """(A writer's look, after :func:`fence`.)"""
-        return _U64.unpack_from(self._buffer, self._SPINNING)[0] != 0
+        return self._load(self._SPINNING) != 0
 
     def mark_pending(self) -> None:
         """(A writer, after it published data.)"""
-        _U64.pack_into(self._buffer, self._PENDING, 1)
+        self._store(self._PENDING, 1)
 
     def pending(self) -> bool:
-        return _U64.unpack_from(self._buffer, self._PENDING)[0] != 0
+        return self._load(self._PENDING) != 0
 
     def take_pending(self) -> bool:
         """Whether data was published since the last take; clears the flag. The caller must
         :func:`fence` before it reads the rings (a writer's mark may land between our load
         and our clear: its data is then published already, and the fence lets us see it)."""
-        if _U64.unpack_from(self._buffer, self._PENDING)[0]:
-            _U64.pack_into(self._buffer, self._PENDING, 0)
-            return True
-        return False
+        return self._take(self._PENDING)
 
 
 class Ring(_Shared):
@@ -217,12 +227,6 @@ class Ring(_Shared):
     def close(self) -> None:
         self._data.release()
         super().close()
-
-    def _load(self, offset: int) -> int:
-        return _U64.unpack_from(self._buffer, offset)[0]
-
-    def _store(self, offset: int, value: int) -> None:
-        _U64.pack_into(self._buffer, offset, value)
 
     # ------------------------------------------------------------------ the writer's side
 
@@ -268,10 +272,7 @@ class Ring(_Shared):
 
     def take_writer_waiting(self) -> bool:
         """Whether the writer waits for room (call after :func:`fence`); clears the flag."""
-        if self._load(_WRITER_WAITING):
-            self._store(_WRITER_WAITING, 0)
-            return True
-        return False
+        return self._take(_WRITER_WAITING)
 
 
 def encode(frames: Sequence[Any]) -> list:
