@@ -1105,8 +1105,10 @@ class Endpoint:
             self._send_hello(peer)
             for message_id, frames, nbytes in waiting:
                 self._send_to_peer(peer, message_id, frames, nbytes)
-        self._offer_to_lend(record, envelope)
-        self._offer_ring(record, envelope)
+        if record.state is PeerState.READY and (self._host_key is not None or self._shm_host is not None):
+            hello = self._control_payload(record, envelope)  # decoded once for both offers
+            self._offer_to_lend(record, hello)
+            self._offer_ring(record, hello)
         record.ready.set()
         return record
 
@@ -1119,13 +1121,13 @@ class Endpoint:
             log.warning("endpoint %s: malformed %s from %s: %s", self.identity, envelope.type.name, record.name, exc)
             return None
 
-    def _offer_to_lend(self, record: _Peer, hello: Envelope) -> None:
-        """A peer on our host: show it its challenge in our memory (LEND_OFFER), and keep the
-        pid its HELLO named, the one whose memory we will read if it does the same."""
-        if self._host_key is None or record.state is not PeerState.READY:
+    def _offer_to_lend(self, record: _Peer, hello: Any) -> None:
+        """A peer on our host (``hello``: its HELLO's payload): show it its challenge in our
+        memory (LEND_OFFER), and keep the pid its HELLO named, the one whose memory we will
+        read if it does the same."""
+        if self._host_key is None:
             return
-        payload = self._control_payload(record, hello)
-        offer = lending.Offer.from_hello(payload, self._host_key)
+        offer = lending.Offer.from_hello(hello, self._host_key)
         if offer is None:
             return
         record.offer = offer
@@ -1199,13 +1201,13 @@ class Endpoint:
 
     # ----------------------------------------------- shared-memory rings (transport/shm.py)
 
-    def _offer_ring(self, record: _Peer, hello: Envelope) -> None:
-        """A peer on our host: make the ring it will write to us, and tell it where (with our
-        doorbell). It answers SHM_START, behind everything it sent us through the socket."""
-        if self._shm_host is None or record.state is not PeerState.READY or record.ring_in is not None:
+    def _offer_ring(self, record: _Peer, hello: Any) -> None:
+        """A peer on our host (``hello``: its HELLO's payload): make the ring it will write to
+        us, and tell it where (with our flags and doorbell). It answers SHM_START, behind
+        everything it sent us through the socket."""
+        if self._shm_host is None or record.ring_in is not None:
             return
-        payload = self._control_payload(record, hello)
-        info = payload.get("shm") if isinstance(payload, dict) else None
+        info = hello.get("shm") if isinstance(hello, dict) else None
         if not isinstance(info, dict) or info.get("host") != self._shm_host or type(info.get("pid")) is not int:
             return
         record.ring_pid = info["pid"]  # the only process whose ring we will map

@@ -359,8 +359,7 @@ class RRef:
         keeps the answer: later calls return the same future. A failed ask is not kept."""
         future = getattr(self, "_type_future", None)
         if future is not None and future.done() and _failed(future):
-            # Its callback forgets it too, but a waiter may wake before callbacks have run.
-            future = None
+            future = None  # a failed ask is not kept: ask again
         if future is None:
             if self.is_owner():
                 future = torch.futures.Future()
@@ -377,12 +376,7 @@ class RRef:
                 future = torch.futures.Future()  # not asked.then(): it would wrap the owner's error
                 asked.add_done_callback(lambda done: _settle(future, done, resolve_function))
             self._type_future = future
-            future.add_done_callback(self._forget_failed_type)
         return future.wait() if blocking else future
-
-    def _forget_failed_type(self, future: torch.futures.Future) -> None:
-        if _failed(future) and getattr(self, "_type_future", None) is future:
-            self._type_future = None
 
     def rpc_sync(self, timeout: float = -1.0) -> "_Proxy":
         """``rref.rpc_sync().method(*args)`` runs ``method`` on the value, on its owner."""
