@@ -518,22 +518,18 @@ class Endpoint:
                 waiter.waiting = True  # from here on, whoever makes ready() true wakes us
                 if ready():
                     return True
-                remaining = None
-                if deadline is not None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        return False
-                if spin and self._rings_in:
+                if spin and self._rings_in:  # spin first (bounded by the deadline), then sleep
                     until = time.monotonic() + spin
                     spun = self._spin(waiter, ready, until if deadline is None else min(until, deadline))
                     if spun:
                         return True
                     if spun is None:
                         continue
-                    if deadline is not None:
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0:
-                            return False
+                remaining = None
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
                 waiter.sleep(remaining)
                 waiter.waiting = False
         finally:
