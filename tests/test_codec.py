@@ -135,6 +135,41 @@ def test_extension_and_fallback():
     assert round_trip([Opaque()], codec)[0] == ["rebuilt"]
 
 
+def test_cached_extensions_are_encoded_and_decoded_once_per_value():
+    """Extension(cache=True), as function references use it: each value is encoded once and
+    decoded once, whatever the number of messages; a value whose encoding holds a tensor is
+    encoded every time (its tensor is a frame of each message)."""
+    encoded, decoded = [], []
+
+    class Name:
+        def __init__(self, text, tensor=None):
+            self.text, self.tensor = text, tensor
+
+        def __eq__(self, other):
+            return isinstance(other, Name) and other.text == self.text
+
+        def __hash__(self):
+            return hash(self.text)
+
+    def encode(name):
+        encoded.append(name.text)
+        return [name.text] if name.tensor is None else [name.text, name.tensor]
+
+    def decode(value):
+        decoded.append(value[0])
+        return Name(*value)
+
+    codec = Codec(extensions=[Extension(24, Name, encode, decode, cache=True)])
+    first = [codec.decode(codec.encode(Message(MessageType.PYTHON_CALL, i, "a", {"n": [Name("f"), Name("g")]}))).payload["n"]
+             for i in range(5)]
+    assert encoded == ["f", "g"] and decoded == ["f", "g"]
+    assert all(names[0] is first[0][0] and names[0].text == "f" and names[1].text == "g" for names in first)
+    for i in range(3):
+        frames = codec.encode(Message(MessageType.PYTHON_CALL, i, "a", {"n": Name("t", torch.full((2,), float(i)))}))
+        assert len(frames) == 2 and torch.equal(codec.decode(frames).payload["n"].tensor, torch.full((2,), float(i)))
+    assert encoded.count("t") == 3
+
+
 def test_an_extension_encoder_may_encode_another_message_and_fail_halfway():
     """Packers are reused per thread and nesting depth (codec._ThreadPackers): an extension's
     encoder that encodes a whole message of its own (as the RPC layer's RRef encoder may send

@@ -69,7 +69,7 @@ class CallingSide:
 
     def _send(self, function: Any, args: tuple) -> None:
         self._ids += 1
-        payload = {"f": encode_function(function), "a": tuple(args), "k": {}}
+        payload = {"f": encode_function(function), "a": list(args), "k": {}}
         self._put(self._codec.encode(Message(MessageType.PYTHON_CALL, self._ids, "0", payload)))
 
     def _receive(self) -> Any:

@@ -555,9 +555,13 @@ class Endpoint:
                 # receive takes the socket lock, asks libzmq and looks at every ring.
                 if flags.take_pending():
                     shm.fence()  # see Flags.take_pending
-                    # Seen in shared memory: no doorbell to empty (a system call).
-                    self._read_for_waiter(drain=False)
-                elif has_input():
+                    # Seen in shared memory: the rings alone, no doorbell to empty and no
+                    # ROUTER to ask (system calls); input there shows in has_input below.
+                    self._read_rings_for_waiter()
+                    if ready():
+                        result = True
+                        break
+                if has_input():
                     self._read_for_waiter()
                 if ready():
                     result = True
@@ -579,14 +583,25 @@ class Endpoint:
                         self._bell.ring()  # we leave: whoever sleeps takes it
         return None if missed and not result else result
 
-    def _read_for_waiter(self, drain: bool = True) -> None:
+    def _read_for_waiter(self) -> None:
         """Receive what waits in the ROUTER (and the rings), on a waiting thread (as the I/O
-        thread would); ``drain``: empty the doorbell first."""
+        thread would)."""
         with self._socket_lock:
             if not self._router_open:
                 return
             # The I/O thread finishes what we leave: a long burst, connections gone.
-            needs_io = self._receive_batch(drain) or bool(self._closing)
+            needs_io = self._receive_batch() or bool(self._closing)
+        if needs_io and self._io_asleep:
+            with self._lock:
+                self._wake_io_locked()
+
+    def _read_rings_for_waiter(self) -> None:
+        """:meth:`_read_for_waiter` for the rings only."""
+        with self._socket_lock:
+            if not self._router_open:
+                return
+            self._receive_rings(drain=False)
+            needs_io = bool(self._closing)
         if needs_io and self._io_asleep:
             with self._lock:
                 self._wake_io_locked()
@@ -987,11 +1002,11 @@ class Endpoint:
         if message_id and self._on_send_error is not None:
             self._to_dispatcher(self._on_send_error, (peer, message_id, error))
 
-    def _receive_batch(self, drain: bool = True) -> bool:
+    def _receive_batch(self) -> bool:
         """Receive up to a batch of messages (caller holds the socket lock); whether input
-        still waits. ``drain``: empty the doorbell before reading the rings."""
+        still waits."""
         if self._bell is not None:
-            self._receive_rings(drain)
+            self._receive_rings()
         router = self._router
         recv = router.recv
         for _ in range(_RECV_BATCH):

@@ -81,6 +81,7 @@ _BELL_PREFIX = "zmqautograd-bell-"
 _ZEROS = bytes(8)
 _SHARE_MAX = 1 << 18  # chunks bigger than this are not kept alive by small messages' frames
 _JOIN_MAX = 4096  # frames this big are copied into the ring on their own, not joined first
+_HEADERS = [struct.Struct(f"<II{count}Q") for count in range(9)]  # message headers by frame count
 
 _fence_lock = threading.Lock()
 
@@ -279,8 +280,18 @@ def encode(frames: Sequence[Any]) -> list:
     """A message's frames as the byte pieces to append to a ring, in order: small parts are
     joined (one copy into the ring for a small message), big frames go as they are. Never an
     empty piece: a writer takes 0 bytes of one and waits for room that never comes."""
+    sizes = [len(frame) if type(frame) is bytes else memoryview(frame).nbytes for frame in frames]
+    if max(sizes) < _JOIN_MAX:  # the usual small message: one piece, in one join
+        count = len(sizes)
+        header = _HEADERS[count] if count < len(_HEADERS) else struct.Struct(f"<II{count}Q")
+        parts: list = [header.pack(count, 0, *sizes)]
+        for frame, size in zip(frames, sizes):
+            parts.append(frame)
+            if size & 7:
+                parts.append(_ZEROS[:-size & 7])
+        return [memoryview(b"".join(parts))]
     views = [memoryview(frame).cast("B") for frame in frames]
-    small: list = [struct.pack(f"<II{len(views)}Q", len(views), 0, *[view.nbytes for view in views])]
+    small: list = [struct.pack(f"<II{len(views)}Q", len(views), 0, *sizes)]
     pieces: list = []
 
     def flush_small() -> None:

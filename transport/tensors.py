@@ -263,6 +263,7 @@ class TensorDecoder:
         self._first = first_frame_index
         self._used = [False] * len(frames)
         self._device_map = device_map
+        self.taken = 0  # frames used so far
 
     def tensor(self, descriptor: Any) -> torch.Tensor:
         if not isinstance(descriptor, list) or not descriptor:
@@ -371,6 +372,7 @@ class TensorDecoder:
         if self._used[local]:
             raise RemoteProtocolError(f"frame {index} is referred to by more than one tensor descriptor")
         self._used[local] = True
+        self.taken += 1
         return self._frames[local]
 
 

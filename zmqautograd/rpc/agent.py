@@ -344,7 +344,9 @@ class Agent:
             raise TypeError(f"args must be a tuple or list, got {type(args).__qualname__}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict, got {type(kwargs).__qualname__}")
-        payload = {"f": encode_function(function), "a": tuple(args or ()), "k": dict(kwargs or {})}
+        # The arguments go as a list: the callee only unpacks them (a tuple would cost an
+        # extension type each way; tuples inside them stay tuples).
+        payload = {"f": encode_function(function), "a": list(args or ()), "k": dict(kwargs or {})}
         autograd = autograd_forward.request_metadata(self.autograd, message_type, function, args, kwargs)
         if autograd is not None:
             payload["ag"] = autograd
@@ -457,7 +459,7 @@ class Agent:
         there). Raises only when it cannot be sent. For protocols that learn the outcome
         another way (distributed autograd's gradients to the pass's originator)."""
         info = self.worker_info(to)
-        payload = {"f": encode_function(function), "a": tuple(args or ()), "k": {}, "n": 1}
+        payload = {"f": encode_function(function), "a": list(args or ()), "k": {}, "n": 1}
         message = Message(message_type, next(self._ids), str(self.rank), payload)
         try:
             self._transmit(info, message, self.codec.encode(message, None, placement or self.placement.request(info.name)))

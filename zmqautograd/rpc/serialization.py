@@ -144,7 +144,9 @@ class RpcCodec(Codec):
         self.accept_pickle = allow_pickle if accept_pickle is None else accept_pickle
         self.refusal = refusal or "allow_pickle is False on this worker"
         pickled = Extension(EXT_PICKLE, _Pickled, lambda p: p.value, self._load_pickle)
-        functions = Extension(EXT_FUNCTION, FunctionRef, lambda f: [f.module, f.qualname], self._load_function)
+        # Cached both ways (transport/codec.py, Extension.cache): a reference travels with every
+        # call, always the same few.
+        functions = Extension(EXT_FUNCTION, FunctionRef, lambda f: [f.module, f.qualname], self._load_function, cache=True)
         super().__init__(extensions=[pickled, functions], fallback=self._fallback, **kwargs)
 
     def _fallback(self, obj: Any) -> tuple[Extension, Any]:
@@ -175,10 +177,19 @@ class _Pickled:
 
 
 class FunctionRef:
-    """A function named by module and qualified name."""
+    """A function named by module and qualified name (immutable: the codec shares them)."""
+
+    __slots__ = ("module", "qualname", "_key")
 
     def __init__(self, module: str, qualname: str):
         self.module, self.qualname = module, qualname
+        self._key = (module, qualname)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is FunctionRef and other._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
 
     def __repr__(self) -> str:
         return f"{self.module}.{self.qualname}"
