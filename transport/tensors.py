@@ -60,6 +60,8 @@ Buffer = Union[bytes, bytearray, memoryview, "ctypes.Array[ctypes.c_ubyte]"]
 
 
 _CPU = torch.device("cpu")
+_STRIDED, _SPARSE_COO = torch.strided, torch.sparse_coo
+_COMPLEX_NAMES = frozenset(name for name, dtype in DTYPES_BY_NAME.items() if dtype.is_complex)
 
 # --------------------------------------------------------------------------------------- send
 
@@ -139,9 +141,10 @@ class TensorEncoder:
     def add(self, tensor: torch.Tensor) -> list:
         if self.collected is not None:
             self.collected.append(tensor)
-        if tensor.is_sparse:
-            if tensor.layout != torch.sparse_coo:
-                raise LocalProtocolError(f"cannot send a tensor with layout {tensor.layout}")
+        layout = tensor.layout
+        if layout is _STRIDED:
+            return self._add_dense(tensor)
+        if layout is _SPARSE_COO:
             return [
                 SPARSE_COO,
                 list(tensor.shape),
@@ -150,9 +153,7 @@ class TensorEncoder:
                 bool(tensor.is_coalesced()),
                 tensor.requires_grad,
             ]
-        if tensor.layout != torch.strided:
-            raise LocalProtocolError(f"cannot send a tensor with layout {tensor.layout}")
-        return self._add_dense(tensor)
+        raise LocalProtocolError(f"cannot send a tensor with layout {layout}")
 
     def _add_dense(self, tensor: torch.Tensor) -> list:
         name = NAMES_BY_DTYPE.get(tensor.dtype)
@@ -160,7 +161,7 @@ class TensorEncoder:
             raise LocalProtocolError(f"cannot send a tensor of dtype {tensor.dtype}")
         requires_grad = tensor.requires_grad
         data = tensor
-        if data.is_complex() and (data.is_conj() or data.is_neg()):
+        if name in _COMPLEX_NAMES and (data.is_conj() or data.is_neg()):
             data = data.detach().resolve_conj().resolve_neg()
         strides: list[int] | None = None
         if not data.is_contiguous():
@@ -170,7 +171,7 @@ class TensorEncoder:
                 # Compacts (only the covered bytes are kept); CUDA tensors are compacted on
                 # their device, so the staging copy is one flat device-to-host transfer.
                 data = data.detach().contiguous()
-        nbytes = data.numel() * data.element_size()
+        nbytes = data.nbytes
         if data.is_cpu:
             device = "cpu"
             buffer = self._cpu_buffer(data, nbytes)
@@ -311,10 +312,13 @@ class TensorDecoder:
         if not isinstance(requires_grad, bool) or not isinstance(device, str):
             raise RemoteProtocolError("tensor descriptor has a malformed device or requires_grad field")
         frame = self._take_frame(index)
-        buffer = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        if type(frame) is memoryview:  # from a shared-memory ring
+            buffer = frame
+        else:
+            buffer = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
         if buffer.nbytes != nbytes:
             raise RemoteProtocolError(f"frame {index} has {buffer.nbytes} bytes, descriptor says {nbytes}")
-        target = resolve_device(device, self._device_map)
+        target = _CPU if device == "cpu" and self._device_map is None else resolve_device(device, self._device_map)
         tensor = _tensor_from_buffer(buffer, dtype, itemsize, span)
         if strides is not None:
             tensor = tensor.as_strided(shape, strides)
