@@ -82,6 +82,8 @@ _ZEROS = bytes(8)
 _SHARE_MAX = 1 << 18  # chunks bigger than this are not kept alive by small messages' frames
 _JOIN_MAX = 4096  # frames this big are copied into the ring on their own, not joined first
 _HEADERS = [struct.Struct(f"<II{count}Q") for count in range(9)]  # message headers by frame count
+_LENGTHS = [struct.Struct(f"<{count}Q") for count in range(9)]  # their frame lengths
+_U32 = struct.Struct("<I")
 
 _fence_lock = threading.Lock()
 
@@ -353,17 +355,19 @@ class StreamDecoder:
         yet) when it is not complete."""
         if end - position < 8:
             return None, 0
-        count = int.from_bytes(view[position:position + 4], "little")
+        count = _U32.unpack_from(view, position)[0]
         if not 0 < count <= self._max_frames:
             raise RemoteProtocolError(f"shared-memory stream: message with {count} frames (limit {self._max_frames})")
         header = 8 + 8 * count
         if end - position < header:
             return None, 0
-        lengths = struct.unpack_from(f"<{count}Q", view, position + 8)
+        lengths = (_LENGTHS[count] if count < len(_LENGTHS) else struct.Struct(f"<{count}Q")).unpack_from(view, position + 8)
         total = sum(lengths)
         if total > self._max_bytes:
             raise RemoteProtocolError(f"shared-memory stream: message of {total} bytes (limit {self._max_bytes})")
-        size = header + total + sum(_pad(length) for length in lengths)
+        size = header + total
+        for length in lengths:
+            size += -length & 7  # the padding (_pad)
         if end - position < size:
             return None, size
         if len(view) > _SHARE_MAX and size < len(view) // 4:
@@ -374,7 +378,7 @@ class StreamDecoder:
         at = position + header
         for length in lengths:
             frames.append(view[at:at + length])
-            at += length + _pad(length)
+            at += length + (-length & 7)
         return frames, size
 
 

@@ -281,6 +281,8 @@ class TensorDecoder:
         return tensor
 
     def check_all_used(self) -> None:
+        if self.taken == len(self._frames):  # each frame is taken at most once (_take_frame)
+            return
         unused = [self._first + i for i, used in enumerate(self._used) if not used]
         if unused:
             raise RemoteProtocolError(
