@@ -1327,6 +1327,10 @@ class Endpoint:
             for frames in messages:
                 frames.insert(0, routing_id)
                 self._handle_incoming(frames)
+            if len(chunk) < _RING_CHUNK:
+                # All there was. What the writer publishes after our look sets the pending
+                # flag or rings our doorbell (transport/shm.py): no look again needed now.
+                return
         self._bell.ring()  # more is waiting: for the next turn (ours or another thread's)
 
     def _write_ring(self, record: _Peer) -> None:
