@@ -45,7 +45,6 @@ import contextlib
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -55,7 +54,7 @@ from .. import timers
 from ..rpc.errors import RpcError
 from .context import DistAutogradContext, add_gradients
 from .functions import (
-    RecvInfo, call_tensor_hooks, is_leaf_node, is_recv_node, make_suppressible, post_hooks_of, profiled, recv_info,
+    _ACCUMULATE_GRAD_TYPE, RECV_NODE_TYPE, RecvInfo, call_tensor_hooks, is_leaf_node, is_recv_node, make_suppressible, post_hooks_of, profiled, recv_info,
     run_tensor_hooks, suppressing, tensor_hooks_of,
 )
 
@@ -66,27 +65,37 @@ LOCAL_ROOT = "local"
 Edge = tuple  # (node, input slot)
 
 
-@dataclass
+# A plan is built for every context's first pass on each worker (a context per training step,
+# typically), so its parts are plain slotted classes: dataclasses with default factories take
+# several times as long to make.
+
+
 class _Group:
-    index: int
-    mask: int
-    nodes: list
-    captures: list = field(default_factory=list)  # edges leaving the group, deduplicated
-    capture_edges: tuple = ()  # the same, as GradientEdges (the engine's inputs)
-    capture_leaves: tuple = ()  # for each, whether it is a leaf's AccumulateGrad
-    feeders: set = field(default_factory=set)  # indices of groups with edges into this one
-    feeds: list = field(default_factory=list)  # indices of the groups it has edges into
-    recv_targets: list = field(default_factory=list)  # recv functions among its exits
-    stepwise: bool = False  # its exits chain: run node by node (see the module docstring)
+    __slots__ = ("index", "mask", "nodes", "captures", "capture_edges", "capture_leaves", "feeders", "feeds",
+                 "recv_targets", "stepwise")
+
+    def __init__(self, index: int, mask: int) -> None:
+        self.index = index
+        self.mask = mask
+        self.nodes: list = []
+        self.captures: list = []  # edges leaving the group, deduplicated
+        self.capture_edges: tuple = ()  # the same, as GradientEdges (the engine's inputs)
+        self.capture_leaves: tuple = ()  # for each, whether it is a leaf's AccumulateGrad
+        self.feeders: set = set()  # indices of groups with edges into this one
+        self.feeds: list = []  # indices of the groups it has edges into
+        self.recv_targets: list = []  # recv functions among its exits
+        self.stepwise = False  # its exits chain: run node by node (see the module docstring)
 
 
-@dataclass
 class _Exit:
     """A leaf or recv function, and who must deliver to it before it is complete."""
 
-    node: Any
-    feeders: set = field(default_factory=set)  # group indices
-    direct_roots: int = 0  # mask of roots whose own edges point at it
+    __slots__ = ("node", "feeders", "direct_roots")
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.feeders: set = set()  # group indices
+        self.direct_roots = 0  # mask of roots whose own edges point at it
 
 
 class Plan:
@@ -109,7 +118,7 @@ class Plan:
             mask = masks[node]
             group = by_mask.get(mask)
             if group is None:
-                group = by_mask[mask] = _Group(len(self.groups), mask, [])
+                group = by_mask[mask] = _Group(len(self.groups), mask)
                 self.groups.append(group)
             group.nodes.append(node)
             self.group_of[node] = group.index
@@ -134,12 +143,14 @@ class Plan:
             for node, _ in edges:
                 if node in self.exits:
                     self.exits[node].direct_roots |= self.root_bits[key]
+        exits = self.exits
         for group in self.groups:
-            group.stepwise = _chained(group, successors)
-            group.feeds = [other.index for other in self.groups if group.index in other.feeders]
-            group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if t in self.exits and t not in leaves))
-            group.capture_edges = tuple(GradientEdge(node, slot) for node, slot in group.captures)
-            group.capture_leaves = tuple(node in leaves for node, _ in group.captures)
+            for index in group.feeders:  # (groups in index order: each ``feeds`` stays sorted)
+                self.groups[index].feeds.append(group.index)
+            group.stepwise = len(group.captures) > 1 and _chained(group, successors)
+            group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if t in exits and t not in leaves))
+            group.capture_edges = tuple([GradientEdge(node, slot) for node, slot in group.captures])
+            group.capture_leaves = tuple([node in leaves for node, _ in group.captures])
         # Leaves that several groups feed: their tensor hooks must not run in each group's
         # call (see Pass._held_leaves).
         self.shared_leaves = [node for node in leaves if len(self.exits[node].feeders) > 1]
@@ -160,6 +171,7 @@ class Plan:
         return masks
 
 
+_LEAF_TYPE = _ACCUMULATE_GRAD_TYPE
 _EXIT: list = []  # the successors of an exit (leaves and recv functions end the walk); never mutated
 
 
@@ -177,11 +189,12 @@ def _discover(roots: dict[Any, list[Edge]]) -> tuple[list, dict, set]:
         node = stack.pop()
         if node in successors:
             continue
-        if is_leaf_node(node):
+        kind = type(node)
+        if kind is _LEAF_TYPE or (_LEAF_TYPE is None and is_leaf_node(node)):
             leaves.add(node)
             successors[node] = _EXIT
             continue
-        if is_recv_node(node):
+        if kind is RECV_NODE_TYPE:
             successors[node] = _EXIT
             continue
         edges = [(n, slot) for n, slot in node.next_functions if n is not None]
