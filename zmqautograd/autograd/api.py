@@ -161,15 +161,16 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
     waiting = (agent.endpoint.wait_until, agent.endpoint.waiter().wake) if home else None
     run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients, home=home, idle_timeout=idle,
                requester=requester, home_waiting=waiting)
-    if local_edges is not None:  # passes this worker started, by id (found even if the context is gone)
+    if home:  # passes this worker started, by id (found even if the context is gone)
         _running[pass_id] = run
-        run.done.add_done_callback(lambda _: _running.pop(pass_id, None))
     with _pass_lock:
         stale, ctx.current_pass = ctx.current_pass, run
     if stale is not None:
         stale.fail(RpcError(f"backward pass {stale.pass_id} was superseded by pass {pass_id}"))
 
     def finished(_: Any) -> None:
+        if home:
+            _running.pop(pass_id, None)
         with _pass_lock:
             if ctx.current_pass is run:
                 ctx.current_pass = None

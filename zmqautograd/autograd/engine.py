@@ -303,8 +303,6 @@ class Pass:
         # FAST mode's unused send function) before it fails instead of waiting for ever.
         self._idle_timeout = idle_timeout
         self._idle_timer: timers.TimerHandle | None = None
-        if idle_timeout is not None:  # its thread must not outlive the pass (the soak test counts threads)
-            self.done.add_done_callback(lambda _: self._cancel_idle())
         self._home = threading.get_ident() if home else None
         # Work for the home thread: (function, args), None once the pass is done.
         self._home_queue: queue.SimpleQueue | None = queue.SimpleQueue() if home else None
@@ -313,8 +311,16 @@ class Pass:
         # pass waits for usually reaches this very thread), ``wake()`` ends such a wait.
         # Without them it blocks on the queue.
         self._home_wait, self._home_wake = home_waiting if home_waiting is not None else (None, None)
-        if home:
-            self.done.add_done_callback(lambda _: self._post_home(None))
+        if home or idle_timeout is not None:
+            self.done.add_done_callback(self._ended)
+
+    def _ended(self, _: Any) -> None:
+        # The idle timer's thread must not outlive the pass (the soak test counts threads);
+        # then the home thread learns that the pass is over.
+        if self._idle_timeout is not None:
+            self._cancel_idle()
+        if self._home is not None:
+            self._post_home(None)
 
     # ------------------------------------------------------------------- delivering roots
 

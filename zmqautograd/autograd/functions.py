@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -244,8 +245,24 @@ def attach_recv_node(
     plain = [t.detach() for t in tensors]
     outputs = RecvRpc.apply(_ANCHOR, info, *plain) if _functorch_active() else _recv_apply(_ANCHOR, info, *plain)
     for received, output in zip(tensors, outputs):
-        torch.utils.swap_tensors(received, output)
+        _swap(received, output)
     return tensors[0].grad_fn
+
+
+_swap_impl = getattr(torch._C, "_swap_tensor_impl", None)
+
+
+def _swap(received: torch.Tensor, output: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors(received, output)``. A tensor the codec just made is a plain
+    Tensor without weak references, attributes, or other holders of its data: only the data
+    need swap places then, which is what swap_tensors comes down to after its checks (1.5
+    against 0.2 us, measured)."""
+    if (_swap_impl is not None and type(received) is torch.Tensor and type(output) is torch.Tensor
+            and received._use_count() == 1 and output._use_count() == 1 and not received.__dict__
+            and not output.__dict__ and not weakref.getweakrefs(received)):
+        _swap_impl(received, output)
+    else:
+        torch.utils.swap_tensors(received, output)
 
 
 def recv_info(node: Any) -> RecvInfo:
