@@ -309,3 +309,28 @@ def test_a_failing_leaf_post_hook_fails_the_pass_on_its_worker(group):
         rpc.rpc_sync("worker2", af.fail_hook, args=("f", None))
         dist_autograd.backward(context_id, [loss])  # the context is usable for new passes
         assert len(rpc.rpc_sync("worker2", af.take_hook_calls, args=("f",))) == 2
+
+
+def test_received_tensors_become_recv_outputs_in_place_with_or_without_the_fast_swap(monkeypatch):
+    """attach_recv_node keeps each received tensor object (the payload refers to it) and
+    gives it the recv function: through the fast swap for a fresh plain tensor, through
+    torch.utils.swap_tensors for one it cannot vouch for (one with attributes of its own
+    here, which swap_tensors moves). Both end up the same: same object, same values, the recv
+    function as grad_fn, in the graph."""
+    from zmqautograd.autograd import functions
+
+    fast = []
+    real_impl = functions._swap_impl
+    monkeypatch.setattr(functions, "_swap_impl", lambda a, b: (fast.append(a), real_impl(a, b)))
+    fresh = torch.arange(3.0).requires_grad_(True)
+    tagged = torch.arange(3.0).requires_grad_(True)
+    tagged.tag = "mine"
+    for tensor in (fresh, tagged):
+        before = id(tensor)
+        node = functions.attach_recv_node([tensor], 1, 2, 3)
+        assert id(tensor) == before and tensor.grad_fn is node and functions.is_recv_node(node)
+        assert torch.equal(tensor.detach(), torch.arange(3.0)) and not tensor.is_leaf
+        assert functions.recv_info(node).from_worker == 3
+        (grad,) = torch.autograd.grad((tensor * 2).sum(), [tensor])
+        assert torch.equal(grad, torch.full((3,), 2.0))
+    assert [id(t) for t in fast] == [id(fresh)]
