@@ -59,7 +59,7 @@ def record_recv(container: ContextContainer, metadata: Any, tensors: list, from_
     request joins (makes) the context; a response only records into a context that still
     exists here. None when the context was released here (the message is then served
     without recording)."""
-    if not isinstance(metadata, list) or len(metadata) != 2 or not all(type(v) is int for v in metadata):
+    if type(metadata) is not list or len(metadata) != 2 or type(metadata[0]) is not int or type(metadata[1]) is not int:
         raise ValueError(f"malformed autograd metadata {metadata!r:.80}")
     context_id, message_id = metadata
     context = container.get(context_id) if response else container.get_or_create(context_id)
@@ -78,7 +78,12 @@ def _any_requires_grad(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.requires_grad
     if isinstance(value, (list, tuple)):
-        return any(_any_requires_grad(v) for v in value)
+        for item in value:  # (a loop, not any() over a generator: this runs on every call)
+            if _any_requires_grad(item):
+                return True
+        return False
     if isinstance(value, dict):
-        return any(_any_requires_grad(v) for v in value.values())
+        for item in value.values():
+            if _any_requires_grad(item):
+                return True
     return False
