@@ -334,3 +334,55 @@ def test_received_tensors_become_recv_outputs_in_place_with_or_without_the_fast_
         (grad,) = torch.autograd.grad((tensor * 2).sum(), [tensor])
         assert torch.equal(grad, torch.full((3,), 2.0))
     assert [id(t) for t in fast] == [id(fresh)]
+
+
+def _plan_shape(plan) -> dict:
+    """A plan's content, order-free where order does not matter."""
+    return {
+        "roots": (plan.root_keys, plan.root_bits),
+        "groups": [
+            (g.index, g.mask, set(g.nodes), set(zip(g.captures, g.capture_leaves)), set(g.feeders), g.feeds,
+             set(g.recv_targets), g.stepwise, [(e.node, e.output_nr) for e in g.capture_edges] == g.captures)
+            for g in plan.groups
+        ],
+        "group_of": plan.group_of,
+        "exits": {node: (e.feeders, e.direct_roots) for node, e in plan.exits.items()},
+        "post_hooks": {node: id(hooks) for node, hooks in plan.post_hooks.items()},
+        "shared_leaves": set(plan.shared_leaves),
+        "direct_exits": {key: set(nodes) for key, nodes in plan.direct_exits.items()},
+    }
+
+
+def test_single_root_plans_match_the_general_construction():
+    """Plan's single-root shortcut (one group, no masks, no order) against the general
+    construction, on the graphs a worker that answered calls has: its answer's send
+    function over received tensors, leaves, shared paths, a root straight into a recv
+    function, and a leaf with a post hook."""
+    from zmqautograd.autograd import engine, functions
+
+    def received(*shape):
+        tensor = torch.randn(*shape).requires_grad_(True)
+        functions.attach_recv_node([tensor], 1, 2, 3)
+        return tensor
+
+    weight = torch.randn(3, requires_grad=True)
+    hooked = torch.randn(3, requires_grad=True)
+    hooked_node = (hooked * 1).grad_fn.next_functions[0][0]
+    hooked_node.register_hook(lambda grad_inputs, grad_outputs: None)
+    r1, r2 = received(3), received(3)
+    graphs = {
+        "chain": [functions.make_send_node([r1 * 2])],
+        "shared paths": [functions.make_send_node([(r1 * weight).relu() + weight.sum(), r2 * r1, weight * 3])],
+        "leaf with a post hook": [functions.make_send_node([hooked * r2])],
+    }
+    received_scalar = received(())
+    for name, (node,) in graphs.items():
+        roots = {7: [(node, slot) for slot in range(len(node.next_functions))]}
+        fast, general = engine.Plan(roots), engine.Plan(roots, general=True)
+        assert _plan_shape(fast) == _plan_shape(general), name
+        assert len(fast.groups) == 1 and fast.groups[0].captures, name
+    direct = {engine.LOCAL_ROOT: [(received_scalar.grad_fn, 0)]}
+    assert _plan_shape(engine.Plan(direct)) == _plan_shape(engine.Plan(direct, general=True))
+    assert engine.Plan(direct).groups == [] and engine.Plan(direct).direct_exits[engine.LOCAL_ROOT] == [received_scalar.grad_fn]
+    (hooked_send,) = graphs["leaf with a post hook"]
+    assert hooked_node in engine.Plan({7: [(hooked_send, 0)]}).post_hooks

@@ -101,10 +101,13 @@ class _Exit:
 class Plan:
     """Groups and exits for one set of roots. Built once per context and root set."""
 
-    def __init__(self, roots: dict[Any, list[Edge]]):
+    def __init__(self, roots: dict[Any, list[Edge]], general: bool = False):
         self.root_keys = list(roots)
         self.root_bits = {key: 1 << i for i, key in enumerate(self.root_keys)}
         self.roots = roots
+        if len(roots) == 1 and not general:
+            self._one_root()
+            return
         nodes, successors, leaves = _discover(roots)
         masks = self._masks(nodes, successors)
         self.group_of: dict[Any, int] = {}
@@ -159,6 +162,66 @@ class Plan:
         self.direct_exits = {
             key: [node for node, e in recvs if e.direct_roots & bit] for key, bit in self.root_bits.items()
         }
+
+    def _one_root(self) -> None:
+        """The plan of a single root (``general=False``): every node it reaches has the
+        same mask, so there is one group, which exits only into leaves and recv functions
+        (never chained) and needs no topological order (it runs as one engine call). The
+        general construction gives the same plan (a test compares them); this skips the
+        masks, the order and the chain search. A worker that only answered calls in a
+        context (a pipeline's middle stage, say) has exactly one root per pass: the send
+        function of its answer."""
+        (key,) = self.root_keys
+        bit = self.root_bits[key]
+        exits: dict[Any, _Exit] = {}
+        leaves: set = set()
+        successors: dict[Any, list] = {}
+        order: list = []
+        stack = [node for node, _ in self.roots[key]]
+        while stack:
+            node = stack.pop()
+            if node in successors or node in exits:
+                continue
+            kind = type(node)
+            if kind is _LEAF_TYPE or (_LEAF_TYPE is None and is_leaf_node(node)):
+                leaves.add(node)
+                exits[node] = _Exit(node)
+                continue
+            if kind is RECV_NODE_TYPE:
+                exits[node] = _Exit(node)
+                continue
+            edges = [(n, slot) for n, slot in node.next_functions if n is not None]
+            successors[node] = edges
+            order.append(node)
+            for target, _ in edges:
+                stack.append(target)
+        self.exits = exits
+        self.groups = []
+        self.group_of = {}
+        if order:
+            group = _Group(0, bit)
+            group.nodes = order
+            self.groups.append(group)
+            seen = set()
+            captures = group.captures
+            for node in order:
+                self.group_of[node] = 0
+                for edge in successors[node]:
+                    target = edge[0]
+                    if target in exits:
+                        exits[target].feeders.add(0)
+                        if edge not in seen:
+                            seen.add(edge)
+                            captures.append(edge)
+            group.recv_targets = list(dict.fromkeys(t for t, _ in captures if t not in leaves))
+            group.capture_edges = tuple([GradientEdge(node, slot) for node, slot in captures])
+            group.capture_leaves = tuple([node in leaves for node, _ in captures])
+        for node, _ in self.roots[key]:
+            if node in exits:
+                exits[node].direct_roots |= bit
+        self.post_hooks = {node: hooks for node in leaves if (hooks := post_hooks_of(node)) is not None}
+        self.shared_leaves = []  # one group feeds every leaf
+        self.direct_exits = {key: [node for node, e in exits.items() if node not in leaves and e.direct_roots & bit]}
 
     def _masks(self, nodes: list, successors: dict) -> dict[Any, int]:
         masks = {node: 0 for node in nodes}
