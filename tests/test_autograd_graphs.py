@@ -337,27 +337,31 @@ def test_received_tensors_become_recv_outputs_in_place_with_or_without_the_fast_
 
 
 def _plan_shape(plan) -> dict:
-    """A plan's content, order-free where order does not matter."""
+    """A plan's content, free of the order (and so of the group numbering) where the engine
+    does not depend on it: groups are named by their masks."""
+    mask = {g.index: g.mask for g in plan.groups}
     return {
         "roots": (plan.root_keys, plan.root_bits),
-        "groups": [
-            (g.index, g.mask, set(g.nodes), set(zip(g.captures, g.capture_leaves)), set(g.feeders), g.feeds,
-             set(g.recv_targets), g.stepwise, [(e.node, e.output_nr) for e in g.capture_edges] == g.captures)
+        "groups": {
+            g.mask: (set(g.nodes), set(zip(g.captures, g.capture_leaves)), {mask[i] for i in g.feeders},
+                     sorted(mask[i] for i in g.feeds), set(g.recv_targets), g.stepwise,
+                     [(e.node, e.output_nr) for e in g.capture_edges] == g.captures)
             for g in plan.groups
-        ],
-        "group_of": plan.group_of,
-        "exits": {node: (e.feeders, e.direct_roots) for node, e in plan.exits.items()},
+        },
+        "group_of": {node: mask[index] for node, index in plan.group_of.items()},
+        "exits": {node: ({mask[i] for i in e.feeders}, e.direct_roots) for node, e in plan.exits.items()},
         "post_hooks": {node: id(hooks) for node, hooks in plan.post_hooks.items()},
         "shared_leaves": set(plan.shared_leaves),
         "direct_exits": {key: set(nodes) for key, nodes in plan.direct_exits.items()},
     }
 
 
-def test_single_root_plans_match_the_general_construction():
-    """Plan's single-root shortcut (one group, no masks, no order) against the general
-    construction, on the graphs a worker that answered calls has: its answer's send
+def test_plans_of_disjoint_roots_match_the_general_construction():
+    """Plan's shortcut for roots whose graphs share no node (a group per root, no masks, no
+    order) against the general construction, on the graphs workers have: an answer's send
     function over received tensors, leaves, shared paths, a root straight into a recv
-    function, and a leaf with a post hook."""
+    function, a leaf with a post hook, a caller's loss next to its calls' send functions
+    (sharing leaves), and roots that do share nodes (the shortcut must step aside)."""
     from zmqautograd.autograd import engine, functions
 
     def received(*shape):
@@ -365,24 +369,45 @@ def test_single_root_plans_match_the_general_construction():
         functions.attach_recv_node([tensor], 1, 2, 3)
         return tensor
 
+    def send_roots(node):
+        return [(node, slot) for slot in range(len(node.next_functions))]
+
     weight = torch.randn(3, requires_grad=True)
     hooked = torch.randn(3, requires_grad=True)
     hooked_node = (hooked * 1).grad_fn.next_functions[0][0]
     hooked_node.register_hook(lambda grad_inputs, grad_outputs: None)
-    r1, r2 = received(3), received(3)
-    graphs = {
-        "chain": [functions.make_send_node([r1 * 2])],
-        "shared paths": [functions.make_send_node([(r1 * weight).relu() + weight.sum(), r2 * r1, weight * 3])],
-        "leaf with a post hook": [functions.make_send_node([hooked * r2])],
+    r1, r2, scalar = received(3), received(3), received(())
+    chain = functions.make_send_node([r1 * 2])
+    shared = functions.make_send_node([(r1 * weight).relu() + weight.sum(), r2 * r1, weight * 3])
+    hooked_send = functions.make_send_node([hooked * r2])
+    hidden = torch.tanh(weight * 2)
+    cases = {
+        "chain": ({7: send_roots(chain)}, True),
+        "shared paths": ({7: send_roots(shared)}, True),
+        "leaf with a post hook": ({7: send_roots(hooked_send)}, True),
+        "root into a recv function": ({engine.LOCAL_ROOT: [(scalar.grad_fn, 0)]}, True),
+        "loss and sends sharing leaves": ({
+            engine.LOCAL_ROOT: [(((r1 * weight).sum() + r2.sum()).grad_fn, 0)],
+            7: send_roots(functions.make_send_node([weight, hooked])),
+            8: send_roots(functions.make_send_node([weight * 2])),
+        }, True),
+        "roots sharing a node": ({
+            engine.LOCAL_ROOT: [((hidden * r1).sum().grad_fn, 0)],
+            7: send_roots(functions.make_send_node([hidden])),
+        }, False),
     }
-    received_scalar = received(())
-    for name, (node,) in graphs.items():
-        roots = {7: [(node, slot) for slot in range(len(node.next_functions))]}
+    for name, (roots, disjoint) in cases.items():
         fast, general = engine.Plan(roots), engine.Plan(roots, general=True)
         assert _plan_shape(fast) == _plan_shape(general), name
-        assert len(fast.groups) == 1 and fast.groups[0].captures, name
-    direct = {engine.LOCAL_ROOT: [(received_scalar.grad_fn, 0)]}
-    assert _plan_shape(engine.Plan(direct)) == _plan_shape(engine.Plan(direct, general=True))
-    assert engine.Plan(direct).groups == [] and engine.Plan(direct).direct_exits[engine.LOCAL_ROOT] == [received_scalar.grad_fn]
-    (hooked_send,) = graphs["leaf with a post hook"]
-    assert hooked_node in engine.Plan({7: [(hooked_send, 0)]}).post_hooks
+        assert _disjoint(roots) is disjoint, name
+    assert hooked_node in engine.Plan({7: send_roots(hooked_send)}).post_hooks
+    assert engine.Plan({engine.LOCAL_ROOT: [(scalar.grad_fn, 0)]}).groups == []
+
+
+def _disjoint(roots) -> bool:
+    from zmqautograd.autograd import engine
+
+    plan = engine.Plan.__new__(engine.Plan)
+    plan.root_keys, plan.roots = list(roots), roots
+    plan.root_bits = {key: 1 << i for i, key in enumerate(plan.root_keys)}
+    return plan._disjoint_roots()

@@ -105,8 +105,7 @@ class Plan:
         self.root_keys = list(roots)
         self.root_bits = {key: 1 << i for i, key in enumerate(self.root_keys)}
         self.roots = roots
-        if len(roots) == 1 and not general:
-            self._one_root()
+        if not general and self._disjoint_roots():
             return
         nodes, successors, leaves = _discover(roots)
         masks = self._masks(nodes, successors)
@@ -163,65 +162,81 @@ class Plan:
             key: [node for node, e in recvs if e.direct_roots & bit] for key, bit in self.root_bits.items()
         }
 
-    def _one_root(self) -> None:
-        """The plan of a single root (``general=False``): every node it reaches has the
-        same mask, so there is one group, which exits only into leaves and recv functions
-        (never chained) and needs no topological order (it runs as one engine call). The
-        general construction gives the same plan (a test compares them); this skips the
-        masks, the order and the chain search. A worker that only answered calls in a
-        context (a pipeline's middle stage, say) has exactly one root per pass: the send
-        function of its answer."""
-        (key,) = self.root_keys
-        bit = self.root_bits[key]
+    def _disjoint_roots(self) -> bool:
+        """Build the plan when no graph node is reached from two roots (False, having built
+        nothing, when one is): each root's nodes then have that root's mask alone, so each
+        root gets one group, which exits only into leaves and recv functions (never into
+        another group, never chained) and needs no topological order (it runs as one engine
+        call). The general construction gives the same plan (a test compares them); this
+        skips the masks, the order and the chain search. The usual passes are such: a
+        worker that answered calls in a context has one root (its answer's send function),
+        and the caller of backward has its loss's graph and the send functions of its calls,
+        which lead to its leaves."""
         exits: dict[Any, _Exit] = {}
         leaves: set = set()
+        owner: dict[Any, int] = {}  # graph node -> index of the root that reaches it
         successors: dict[Any, list] = {}
-        order: list = []
-        stack = [node for node, _ in self.roots[key]]
-        while stack:
-            node = stack.pop()
-            if node in successors or node in exits:
-                continue
-            kind = type(node)
-            if kind is _LEAF_TYPE or (_LEAF_TYPE is None and is_leaf_node(node)):
-                leaves.add(node)
-                exits[node] = _Exit(node)
-                continue
-            if kind is RECV_NODE_TYPE:
-                exits[node] = _Exit(node)
-                continue
-            edges = [(n, slot) for n, slot in node.next_functions if n is not None]
-            successors[node] = edges
-            order.append(node)
-            for target, _ in edges:
-                stack.append(target)
+        groups: list[_Group] = []
+        for position, key in enumerate(self.root_keys):
+            order: list = []
+            stack = [node for node, _ in self.roots[key]]
+            while stack:
+                node = stack.pop()
+                if node in exits:
+                    continue
+                reached_by = owner.get(node)
+                if reached_by is not None:
+                    if reached_by != position:
+                        return False  # shared: masks differ within a root's part
+                    continue
+                kind = type(node)
+                if kind is _LEAF_TYPE or (_LEAF_TYPE is None and is_leaf_node(node)):
+                    leaves.add(node)
+                    exits[node] = _Exit(node)
+                    continue
+                if kind is RECV_NODE_TYPE:
+                    exits[node] = _Exit(node)
+                    continue
+                owner[node] = position
+                edges = [(n, slot) for n, slot in node.next_functions if n is not None]
+                successors[node] = edges
+                order.append(node)
+                for target, _ in edges:
+                    stack.append(target)
+            if order:
+                group = _Group(len(groups), 1 << position)
+                group.nodes = order
+                groups.append(group)
         self.exits = exits
-        self.groups = []
+        self.groups = groups
         self.group_of = {}
-        if order:
-            group = _Group(0, bit)
-            group.nodes = order
-            self.groups.append(group)
+        for group in groups:
+            index = group.index
             seen = set()
             captures = group.captures
-            for node in order:
-                self.group_of[node] = 0
+            for node in group.nodes:
+                self.group_of[node] = index
                 for edge in successors[node]:
                     target = edge[0]
-                    if target in exits:
-                        exits[target].feeders.add(0)
+                    if target in exits:  # else a node of this group (parts are disjoint)
+                        exits[target].feeders.add(index)
                         if edge not in seen:
                             seen.add(edge)
                             captures.append(edge)
             group.recv_targets = list(dict.fromkeys(t for t, _ in captures if t not in leaves))
             group.capture_edges = tuple([GradientEdge(node, slot) for node, slot in captures])
             group.capture_leaves = tuple([node in leaves for node, _ in captures])
-        for node, _ in self.roots[key]:
-            if node in exits:
-                exits[node].direct_roots |= bit
+        for key, edges in self.roots.items():
+            for node, _ in edges:
+                if node in exits:
+                    exits[node].direct_roots |= self.root_bits[key]
         self.post_hooks = {node: hooks for node in leaves if (hooks := post_hooks_of(node)) is not None}
-        self.shared_leaves = []  # one group feeds every leaf
-        self.direct_exits = {key: [node for node, e in exits.items() if node not in leaves and e.direct_roots & bit]}
+        self.shared_leaves = [node for node in leaves if len(exits[node].feeders) > 1]
+        recvs = [(node, e) for node, e in exits.items() if node not in leaves]
+        self.direct_exits = {
+            key: [node for node, e in recvs if e.direct_roots & bit] for key, bit in self.root_bits.items()
+        }
+        return True
 
     def _masks(self, nodes: list, successors: dict) -> dict[Any, int]:
         masks = {node: 0 for node in nodes}
