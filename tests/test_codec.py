@@ -500,6 +500,31 @@ def test_malformed_messages_raise_remote_protocol_error(case):
         CODEC.decode(frames)
 
 
+def test_a_descriptor_seen_before_is_checked_once_and_its_frame_every_time(monkeypatch):
+    """Dense descriptors are checked once per distinct encoding (the codec keeps the result),
+    but what depends on the message, its frames, is checked at every decode."""
+    from transport import codec as codec_module
+
+    parsed = []
+    real_parse = codec_module.parse_dense
+    monkeypatch.setattr(codec_module, "parse_dense", lambda d: (parsed.append(d), real_parse(d))[1])
+    monkeypatch.setattr(codec_module, "_dense_specs", {})
+    descriptor = ["dense", "float32", [2], None, 1, 8, "cpu", False]
+    good = forge(payload=[tensor_ext(descriptor)], buffers=[tensor_bytes(torch.tensor([1.0, 2.0]))])
+    for _ in range(3):
+        assert torch.equal(CODEC.decode(good).payload[0], torch.tensor([1.0, 2.0]))
+    assert len(parsed) == 1
+    for frames, match in (
+        (forge(payload=[tensor_ext(descriptor)], buffers=[b"x" * 4]), "has 4 bytes"),
+        (forge(payload=[tensor_ext(descriptor)]), "refers to frame 1"),
+        (forge(payload=[tensor_ext(descriptor)] * 2, buffers=[b"x" * 8]), "more than one"),
+        (forge(payload=[tensor_ext(descriptor)], buffers=[b"x" * 8, b"y" * 8]), "no tensor descriptor refers to"),
+    ):
+        with pytest.raises(RemoteProtocolError, match=match):
+            CODEC.decode(frames)
+    assert len(parsed) == 1
+
+
 def test_size_and_frame_count_limits():
     codec = Codec(max_message_bytes=1000, max_frames=3)
     big = CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", torch.zeros(1000)))

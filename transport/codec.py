@@ -29,7 +29,7 @@ import msgpack
 import torch
 
 from .errors import DeviceMapError, LocalProtocolError, MessageTooLargeError, ProtocolError, RemoteProtocolError
-from .tensors import DEFAULT_COPY_THRESHOLD, DeviceMap, TensorDecoder, TensorEncoder
+from .tensors import DEFAULT_COPY_THRESHOLD, DENSE, DeviceMap, TensorDecoder, TensorEncoder, parse_dense
 from .staging import PinnedBufferPool
 
 PROTOCOL_VERSION = 1
@@ -370,6 +370,9 @@ def _ext_type(code: int, data: bytes, _new: Callable = tuple.__new__, _cls: type
 
 
 _EXT_CACHE_MAX = 4096  # entries per table of ``cache`` extensions (cleared when full)
+# Dense tensor descriptors checked before, by their bytes (tensors.parse_dense): a program sends
+# tensors of the same few shapes again and again.
+_dense_specs: dict[bytes, tuple] = {}
 
 
 def _default(obj: Any) -> Any:
@@ -463,7 +466,17 @@ class _PayloadUnpacker:
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_TENSOR:
-            return self.tensors.tensor(msgpack.unpackb(data, raw=False, use_list=True))
+            spec = _dense_specs.get(data)
+            if spec is not None:  # a descriptor seen before: checked already
+                return self.tensors.dense(spec)
+            descriptor = msgpack.unpackb(data, raw=False, use_list=True)
+            if type(descriptor) is not list or not descriptor or descriptor[0] != DENSE:
+                return self.tensors.tensor(descriptor)
+            spec = parse_dense(descriptor)
+            if len(_dense_specs) >= _EXT_CACHE_MAX:
+                _dense_specs.clear()
+            _dense_specs[data] = spec
+            return self.tensors.dense(spec)
         if code == EXT_TUPLE:
             return tuple(_list(self.unpack(data), "tuple"))
         if code == EXT_SIZE:

@@ -291,28 +291,18 @@ class TensorDecoder:
             )
 
     def _dense(self, d: list) -> torch.Tensor:
-        if len(d) != 8:
-            raise RemoteProtocolError(f"dense tensor descriptor has {len(d)} fields, expected 8")
-        _, name, shape, strides, index, nbytes, device, requires_grad = d
-        dtype = DTYPES_BY_NAME.get(name) if isinstance(name, str) else None
-        if dtype is None:
-            raise RemoteProtocolError(f"unknown dtype {name!r:.40}")
-        shape = _check_dims("shape", shape)
-        numel = math.prod(shape)
-        itemsize = _ITEMSIZE[dtype]
-        if strides is None:
-            span = numel
-        else:
-            strides = _check_dims("strides", strides)
-            if len(strides) != len(shape):
-                raise RemoteProtocolError(f"strides {strides} do not match shape {shape}")
-            span = _strided_span(shape, strides)
-        if not isinstance(nbytes, int) or nbytes != span * itemsize:
-            raise RemoteProtocolError(
-                f"tensor of dtype {name} shape {shape} needs {span * itemsize} bytes, descriptor says {nbytes!r}"
-            )
-        if not isinstance(requires_grad, bool) or not isinstance(device, str):
-            raise RemoteProtocolError("tensor descriptor has a malformed device or requires_grad field")
+        return self.build_dense(parse_dense(d))
+
+    def dense(self, spec: tuple) -> torch.Tensor:
+        """The tensor of a dense descriptor :func:`parse_dense` checked (collected, as
+        :meth:`tensor` does)."""
+        tensor = self.build_dense(spec)
+        if self.collected is not None:
+            self.collected.append(tensor)
+        return tensor
+
+    def build_dense(self, spec: tuple) -> torch.Tensor:
+        dtype, shape, strides, index, nbytes, device, requires_grad, itemsize, span = spec
         frame = self._take_frame(index)
         if type(frame) is memoryview:  # from a shared-memory ring
             buffer = frame
@@ -329,8 +319,6 @@ class TensorDecoder:
         if target.type != "cpu":
             tensor = tensor.to(target)
         if requires_grad:
-            if not (dtype.is_floating_point or dtype.is_complex):
-                raise RemoteProtocolError(f"requires_grad set on a tensor of dtype {name}")
             tensor.requires_grad_(True)
         return tensor
 
@@ -383,6 +371,40 @@ class TensorDecoder:
 
 
 _ITEMSIZE: dict[torch.dtype, int] = {dtype: dtype.itemsize for dtype in DTYPES_BY_NAME.values()}
+
+
+def parse_dense(d: Any) -> tuple:
+    """Check a dense descriptor on its own (its frame is checked when the tensor is built):
+    ``(dtype, shape, strides, frame index, nbytes, device, requires_grad, itemsize, span)``.
+    It depends on nothing but the descriptor, so a decoder may keep it for descriptors that
+    come again (the codec does, by their bytes)."""
+    if type(d) is not list or len(d) != 8:
+        raise RemoteProtocolError(f"dense tensor descriptor has {len(d) if type(d) is list else d!r:.40} fields, expected 8")
+    _, name, shape, strides, index, nbytes, device, requires_grad = d
+    dtype = DTYPES_BY_NAME.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise RemoteProtocolError(f"unknown dtype {name!r:.40}")
+    shape = _check_dims("shape", shape)
+    numel = math.prod(shape)
+    itemsize = _ITEMSIZE[dtype]
+    if strides is None:
+        span = numel
+    else:
+        strides = _check_dims("strides", strides)
+        if len(strides) != len(shape):
+            raise RemoteProtocolError(f"strides {strides} do not match shape {shape}")
+        span = _strided_span(shape, strides)
+    if not isinstance(nbytes, int) or nbytes != span * itemsize:
+        raise RemoteProtocolError(
+            f"tensor of dtype {name} shape {shape} needs {span * itemsize} bytes, descriptor says {nbytes!r}"
+        )
+    if not isinstance(requires_grad, bool) or not isinstance(device, str):
+        raise RemoteProtocolError("tensor descriptor has a malformed device or requires_grad field")
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise RemoteProtocolError(f"requires_grad set on a tensor of dtype {name}")
+    if type(index) is not int:
+        raise RemoteProtocolError(f"tensor descriptor refers to frame {index!r:.40}")
+    return dtype, shape, strides, index, nbytes, device, requires_grad, itemsize, span
 
 
 def _check_dims(what: str, dims: Any) -> list[int]:
