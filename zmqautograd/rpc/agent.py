@@ -209,6 +209,7 @@ class Agent:
     def __init__(self, name: str, rendezvous: Rendezvous, options: ZmqRpcBackendOptions):
         self.options = options
         self.rank = rendezvous.rank
+        self._me = str(self.rank)  # our name on the wire
         self.info = WorkerInfo(name, self.rank)
         self.default_timeout = options.rpc_timeout
         host = advertise_address(rendezvous.master_addr, options.advertise_address)
@@ -361,7 +362,7 @@ class Agent:
         else:
             future = _SyncSlot(timeout, self.endpoint.waiter()) if sync else _CallFuture()
         message_id = next(self._ids)
-        message = Message(message_type, message_id, str(self.rank), payload)
+        message = Message(message_type, message_id, self._me, payload)
         with self._lock:
             if self._stopping:
                 self._give_back(info, releases)
@@ -374,7 +375,7 @@ class Agent:
         elif timeout > 0:  # a call answered first is simply not found when its timer fires
             timers.call_later(timeout, self._expire, message_id)
         try:
-            tensors: list = []
+            tensors = [] if autograd is not None else None  # only recording needs them
             frames = self.codec.encode(message, tensors, placement or self.placement.request(info.name))
             if autograd is not None:
                 autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
@@ -460,7 +461,7 @@ class Agent:
         another way (distributed autograd's gradients to the pass's originator)."""
         info = self.worker_info(to)
         payload = {"f": encode_function(function), "a": list(args or ()), "k": {}, "n": 1}
-        message = Message(message_type, next(self._ids), str(self.rank), payload)
+        message = Message(message_type, next(self._ids), self._me, payload)
         try:
             self._transmit(info, message, self.codec.encode(message, None, placement or self.placement.request(info.name)))
         except (TransportError, SerializationError) as exc:
@@ -619,7 +620,7 @@ class Agent:
         """Send a call's result (or its error) back to the caller. The result of a call that
         distributed autograd recorded is recorded too (its tensors may require grad)."""
         to = request.sender
-        me = str(self.rank)
+        me = self._me
         if request.payload.get("n"):  # one-way (notify): nobody waits for an answer
             if error is not None:
                 log.warning("%s: one-way %s from %s failed: %s", self.info, request.type.name, to, error)
@@ -633,7 +634,7 @@ class Agent:
         else:
             reply = Message(REQUEST_TYPES[request.type], request.id, me, {"v": value})
         try:
-            tensors: list = []
+            tensors = [] if context is not None else None  # only recording needs them
             caller = self.workers_by_id.get(int(to)) if to.isdigit() else None
             frames = self.codec.encode(reply, tensors, self.placement.response(caller.name if caller else to))
             if context is not None:
