@@ -270,11 +270,15 @@ class Codec:
             raise LocalProtocolError(f"unknown message type {message.type!r}")
         if not isinstance(message.id, int) or not 0 <= message.id <= MAX_MESSAGE_ID:
             raise LocalProtocolError(f"message id must be an int in [0, 2**64), got {message.id!r}")
-        _check_sender(message.sender, LocalProtocolError)
+        sender = message.sender
+        if type(sender) is not str or len(sender) > MAX_SENDER_LENGTH:
+            _check_sender(sender, LocalProtocolError)
         encoder = TensorEncoder(1, self.copy_threshold, self.pinned_pool, tensors, placement)
         payload = _PayloadPacker(self, encoder).pack(message.payload)
-        envelope = _packers.plain.pack([PROTOCOL_VERSION, int(message.type), message.id, message.sender, payload])
-        return [envelope, *encoder.finish()]
+        # (The plain packer packs a MessageType, an int subclass, as the int it is.)
+        envelope = _packers.plain.pack([PROTOCOL_VERSION, message.type, message.id, sender, payload])
+        buffers = encoder.finish()
+        return [envelope, *buffers] if buffers else [envelope]
 
     # -------------------------------------------------------------------------------- decode
 

@@ -207,9 +207,10 @@ class TensorEncoder:
         return view
 
     def finish(self) -> list[Buffer]:
-        for event in self._pending_events:
-            event.synchronize()
-        self._pending_events.clear()
+        if self._pending_events:
+            for event in self._pending_events:
+                event.synchronize()
+            self._pending_events.clear()
         return self.buffers
 
 
