@@ -283,7 +283,7 @@ def encode(frames: Sequence[Any]) -> list:
     joined (one copy into the ring for a small message), big frames go as they are. Never an
     empty piece: a writer takes 0 bytes of one and waits for room that never comes."""
     sizes = [len(frame) if type(frame) is bytes else memoryview(frame).nbytes for frame in frames]
-    if max(sizes) < _JOIN_MAX:  # the usual small message: one piece, in one join
+    if sizes and max(sizes) < _JOIN_MAX:  # the usual small message: one piece, in one join
         count = len(sizes)
         header = _HEADERS[count] if count < len(_HEADERS) else struct.Struct(f"<II{count}Q")
         parts: list = [header.pack(count, 0, *sizes)]
