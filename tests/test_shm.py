@@ -205,6 +205,26 @@ def test_messages_still_queued_for_a_full_ring_leave_before_goodbye():
     assert _mapped_rings() == before  # closed endpoints hold no ring memory
 
 
+def test_a_lost_peers_ring_is_read_before_its_loss_is_taken():
+    # The race this covers: a peer publishes into its ring and closes, and our reader takes
+    # its GOODBYE (socket) in a batch whose look at the rings came before that data. Forced
+    # here by keeping b from reading its rings at all but through the loss itself: what a
+    # wrote must still arrive, in order, and before b reports the loss.
+    a, b, lost = _pair(spin=0)
+    try:
+        _wait_for(lambda: a.stats()["b"].shared_memory and b.stats()["a"].shared_memory)
+        b._receive_rings = lambda drain=True: None  # only _peer_lost's own read remains
+        for seq in range(5):
+            a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", [seq]))
+        a.close()
+        peer, error = lost.get(timeout=30)
+        assert peer == "a" and "closed its endpoint" in str(error)
+        assert [b.recv(5).payload[0] for _ in range(5)] == list(range(5))
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_message_of_several_big_frames_goes_through_the_ring():
     # Tensors of 64 KiB (below lend_min: not lent) travel as frames of their own, one after
     # the other, with nothing to join between them.
