@@ -410,4 +410,4 @@ def _disjoint(roots) -> bool:
     plan = engine.Plan.__new__(engine.Plan)
     plan.root_keys, plan.roots = list(roots), roots
     plan.root_bits = {key: 1 << i for i, key in enumerate(plan.root_keys)}
-    return plan._disjoint_roots()
+    return plan._disjoint_groups() is not None

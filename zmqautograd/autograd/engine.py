@@ -105,9 +105,15 @@ class Plan:
         self.root_keys = list(roots)
         self.root_bits = {key: 1 << i for i, key in enumerate(self.root_keys)}
         self.roots = roots
-        if not general and self._disjoint_roots():
-            return
-        nodes, successors, leaves = _discover(roots)
+        found = None if general else self._disjoint_groups()
+        if found is None:
+            found = self._mask_groups()
+        self._link(*found)
+
+    def _mask_groups(self) -> tuple[dict, set, bool]:
+        """Exits and groups (nodes only), the general way: label every node with the mask of
+        the roots that reach it, one group per mask (in topological order)."""
+        nodes, successors, leaves = _discover(self.roots)
         masks = self._masks(nodes, successors)
         self.group_of: dict[Any, int] = {}
         self.groups: list[_Group] = []
@@ -124,51 +130,15 @@ class Plan:
                 self.groups.append(group)
             group.nodes.append(node)
             self.group_of[node] = group.index
-        # The dicts of the leaves' Python post hooks (functions.post_hooks_of): the engine
-        # runs them once per pass, with the leaf's whole gradient of the pass.
-        self.post_hooks = {node: hooks for node in leaves if (hooks := post_hooks_of(node)) is not None}
-        for group in self.groups:
-            seen = set()
-            for node in group.nodes:
-                for edge in successors[node]:
-                    target = edge[0]
-                    if target in self.exits:
-                        self.exits[target].feeders.add(group.index)
-                    elif self.group_of[target] != group.index:
-                        self.groups[self.group_of[target]].feeders.add(group.index)
-                    else:
-                        continue
-                    if edge not in seen:
-                        seen.add(edge)
-                        group.captures.append(edge)
-        for key, edges in roots.items():
-            for node, _ in edges:
-                if node in self.exits:
-                    self.exits[node].direct_roots |= self.root_bits[key]
-        exits = self.exits
-        for group in self.groups:
-            for index in group.feeders:  # (groups in index order: each ``feeds`` stays sorted)
-                self.groups[index].feeds.append(group.index)
-            group.stepwise = len(group.captures) > 1 and _chained(group, successors)
-            group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if t in exits and t not in leaves))
-            group.capture_edges = tuple([GradientEdge(node, slot) for node, slot in group.captures])
-            group.capture_leaves = tuple([node in leaves for node, _ in group.captures])
-        # Leaves that several groups feed: their tensor hooks must not run in each group's
-        # call (see Pass._held_leaves).
-        self.shared_leaves = [node for node in leaves if len(self.exits[node].feeders) > 1]
-        # Per root: the recv functions its own edges point at (they wait for its delivery).
-        recvs = [(node, e) for node, e in self.exits.items() if node not in leaves]
-        self.direct_exits = {
-            key: [node for node, e in recvs if e.direct_roots & bit] for key, bit in self.root_bits.items()
-        }
+        return successors, leaves, True
 
-    def _disjoint_roots(self) -> bool:
-        """Build the plan when no graph node is reached from two roots (False, having built
-        nothing, when one is): each root's nodes then have that root's mask alone, so each
-        root gets one group, which exits only into leaves and recv functions (never into
-        another group, never chained) and needs no topological order (it runs as one engine
-        call). The general construction gives the same plan (a test compares them); this
-        skips the masks, the order and the chain search. The usual passes are such: a
+    def _disjoint_groups(self) -> tuple[dict, set, bool] | None:
+        """Exits and groups (nodes only) when no graph node is reached from two roots (None,
+        having set nothing, when one is): each root's nodes then have that root's mask alone,
+        so each root gets one group, which exits only into leaves and recv functions (never
+        into another group, never chained) and needs no topological order (it runs as one
+        engine call). The general construction gives the same plan (a test compares them);
+        this skips the masks, the order and the chain search. The usual passes are such: a
         worker that answered calls in a context has one root (its answer's send function),
         and the caller of backward has its loss's graph and the send functions of its calls,
         which lead to its leaves."""
@@ -187,7 +157,7 @@ class Plan:
                 reached_by = owner.get(node)
                 if reached_by is not None:
                     if reached_by != position:
-                        return False  # shared: masks differ within a root's part
+                        return None  # shared: masks differ within a root's part
                     continue
                 kind = type(node)
                 if kind is _LEAF_TYPE or (_LEAF_TYPE is None and is_leaf_node(node)):
@@ -209,34 +179,50 @@ class Plan:
                 groups.append(group)
         self.exits = exits
         self.groups = groups
-        self.group_of = {}
+        self.group_of = {node: group.index for group in groups for node in group.nodes}
+        return successors, leaves, False
+
+    def _link(self, successors: dict, leaves: set, may_chain: bool) -> None:
+        """What the engine needs beyond the groups' nodes: each group's exit edges and who
+        feeds whom, the roots' direct exits, the leaves' hooks; ``may_chain``: look for
+        groups whose exits chain (impossible when groups are disjoint)."""
+        exits, groups, group_of = self.exits, self.groups, self.group_of
+        # The dicts of the leaves' Python post hooks (functions.post_hooks_of): the engine
+        # runs them once per pass, with the leaf's whole gradient of the pass.
+        self.post_hooks = {node: hooks for node in leaves if (hooks := post_hooks_of(node)) is not None}
         for group in groups:
-            index = group.index
             seen = set()
-            captures = group.captures
             for node in group.nodes:
-                self.group_of[node] = index
                 for edge in successors[node]:
                     target = edge[0]
-                    if target in exits:  # else a node of this group (parts are disjoint)
-                        exits[target].feeders.add(index)
-                        if edge not in seen:
-                            seen.add(edge)
-                            captures.append(edge)
-            group.recv_targets = list(dict.fromkeys(t for t, _ in captures if t not in leaves))
-            group.capture_edges = tuple([GradientEdge(node, slot) for node, slot in captures])
-            group.capture_leaves = tuple([node in leaves for node, _ in captures])
+                    if target in exits:
+                        exits[target].feeders.add(group.index)
+                    elif group_of[target] != group.index:
+                        groups[group_of[target]].feeders.add(group.index)
+                    else:
+                        continue
+                    if edge not in seen:
+                        seen.add(edge)
+                        group.captures.append(edge)
         for key, edges in self.roots.items():
             for node, _ in edges:
                 if node in exits:
                     exits[node].direct_roots |= self.root_bits[key]
-        self.post_hooks = {node: hooks for node in leaves if (hooks := post_hooks_of(node)) is not None}
+        for group in groups:
+            for index in group.feeders:  # (groups in index order: each ``feeds`` stays sorted)
+                groups[index].feeds.append(group.index)
+            group.stepwise = may_chain and len(group.captures) > 1 and _chained(group, successors)
+            group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if t in exits and t not in leaves))
+            group.capture_edges = tuple([GradientEdge(node, slot) for node, slot in group.captures])
+            group.capture_leaves = tuple([node in leaves for node, _ in group.captures])
+        # Leaves that several groups feed: their tensor hooks must not run in each group's
+        # call (see Pass._held_leaves).
         self.shared_leaves = [node for node in leaves if len(exits[node].feeders) > 1]
+        # Per root: the recv functions its own edges point at (they wait for its delivery).
         recvs = [(node, e) for node, e in exits.items() if node not in leaves]
         self.direct_exits = {
             key: [node for node, e in recvs if e.direct_roots & bit] for key, bit in self.root_bits.items()
         }
-        return True
 
     def _masks(self, nodes: list, successors: dict) -> dict[Any, int]:
         masks = {node: 0 for node in nodes}
