@@ -558,7 +558,7 @@ class Endpoint:
                     shm.fence()  # see Flags.take_pending
                     # Seen in shared memory: the rings alone, no doorbell to empty and no
                     # ROUTER to ask (system calls); input there shows in has_input below.
-                    self._read_rings_for_waiter()
+                    self._read_for_waiter(rings_only=True)
                     if ready():
                         result = True
                         break
@@ -588,25 +588,20 @@ class Endpoint:
                         self._bell.ring()  # we leave: whoever sleeps takes it
         return None if missed and not result else result
 
-    def _read_for_waiter(self) -> None:
-        """Receive what waits in the ROUTER (and the rings), on a waiting thread (as the I/O
-        thread would)."""
+    def _read_for_waiter(self, rings_only: bool = False) -> None:
+        """Receive what waits in the ROUTER and the rings, on a waiting thread (as the I/O
+        thread would); ``rings_only``: the rings alone, without emptying the doorbell (a
+        spinner that saw their pending word)."""
         with self._socket_lock:
             if not self._router_open:
                 return
+            if rings_only:
+                self._receive_rings(drain=False)
+                more = False
+            else:
+                more = self._receive_batch()
             # The I/O thread finishes what we leave: a long burst, connections gone.
-            needs_io = self._receive_batch() or bool(self._closing)
-        if needs_io and self._io_asleep:
-            with self._lock:
-                self._wake_io_locked()
-
-    def _read_rings_for_waiter(self) -> None:
-        """:meth:`_read_for_waiter` for the rings only."""
-        with self._socket_lock:
-            if not self._router_open:
-                return
-            self._receive_rings(drain=False)
-            needs_io = bool(self._closing)
+            needs_io = more or bool(self._closing)
         if needs_io and self._io_asleep:
             with self._lock:
                 self._wake_io_locked()
