@@ -163,16 +163,23 @@ def test_the_doorbell_wakes_a_poller_and_drains():
 # --------------------------------------------------------------- endpoints in this process
 
 
-def _pair(**options):
+def _pair(rings: bool = True, **options):
     """Two connected endpoints in this process, ``b`` receiving with recv(); lost peers of
-    ``b`` go to the returned queue."""
+    ``b`` go to the returned queue. ``rings``: return once both send through their rings."""
     lost: queue.SimpleQueue = queue.SimpleQueue()
     a = Endpoint("a", options=EndpointOptions(**options))
     b = Endpoint("b", options=EndpointOptions(**options), on_peer_lost=lambda peer, error: lost.put((peer, error)))
-    a.connect("b", b.address)
-    b.expect("a")
-    a.wait_for_peer("b", 30)
-    b.wait_for_peer("a", 30)
+    try:
+        a.connect("b", b.address)
+        b.expect("a")
+        a.wait_for_peer("b", 30)
+        b.wait_for_peer("a", 30)
+        if rings:
+            _wait_for(lambda: a.stats()["b"].shared_memory and b.stats()["a"].shared_memory)
+    except BaseException:
+        a.close()
+        b.close()
+        raise
     return a, b, lost
 
 
@@ -189,7 +196,6 @@ def test_messages_still_queued_for_a_full_ring_leave_before_goodbye():
     before = _mapped_rings()
     a, b, lost = _pair(shm_ring=4096, close_linger=10.0)
     try:
-        _wait_for(lambda: a.stats()["b"].shared_memory)
         payload = bytes(1000)
         for seq in range(300):
             a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", [seq, payload]))
@@ -212,7 +218,6 @@ def test_a_lost_peers_ring_is_read_before_its_loss_is_taken():
     # wrote must still arrive, in order, and before b reports the loss.
     a, b, lost = _pair(spin=0)
     try:
-        _wait_for(lambda: a.stats()["b"].shared_memory and b.stats()["a"].shared_memory)
         b._receive_rings = lambda drain=True: None  # only _peer_lost's own read remains
         for seq in range(5):
             a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", [seq]))
@@ -230,7 +235,6 @@ def test_a_message_of_several_big_frames_goes_through_the_ring():
     # the other, with nothing to join between them.
     a, b, _lost = _pair()
     try:
-        _wait_for(lambda: a.stats()["b"].shared_memory)
         tensors = [torch.randn(16384), torch.randn(16384), torch.arange(8192, dtype=torch.int64)]
         a.send("b", Message(MessageType.PYTHON_CALL, 1, "a", tensors))
         received = b.recv(30).payload
@@ -244,7 +248,6 @@ def test_a_malformed_ring_stream_loses_that_peer_and_the_endpoint_goes_on():
     a, b, lost = _pair()
     c = Endpoint("c")
     try:
-        _wait_for(lambda: a.stats()["b"].shared_memory)
         with a._socket_lock:  # as a's own sends do: one writer at a time
             record = a._peers["b"]
             record.ring_out.write(memoryview(b"\xff" * 64))  # 0xffffffff frames
@@ -370,7 +373,6 @@ def test_waiting_threads_stop_spinning_once_their_spin_is_over():
     # small fraction of a CPU, where a spin that never ended would use all of one.
     a, b, _lost = _pair()
     try:
-        _wait_for(lambda: a.stats()["b"].shared_memory and b.stats()["a"].shared_memory)
         for seq in range(100):
             a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
             assert b.recv(30).payload == seq
@@ -391,7 +393,7 @@ def test_a_peer_whose_doorbell_cannot_be_reached_stays_on_the_socket(monkeypatch
         raise ConnectionRefusedError(111, "Connection refused")
 
     monkeypatch.setattr(shm, "open_bell", unreachable)
-    a, b, _lost = _pair()
+    a, b, _lost = _pair(rings=False)
     try:
         for seq in range(200):
             a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
