@@ -283,17 +283,17 @@ def encode(frames: Sequence[Any]) -> list:
     joined (one copy into the ring for a small message), big frames go as they are. Never an
     empty piece: a writer takes 0 bytes of one and waits for room that never comes."""
     sizes = [len(frame) if type(frame) is bytes else memoryview(frame).nbytes for frame in frames]
+    count = len(sizes)
+    header = (_HEADERS[count] if count < len(_HEADERS) else struct.Struct(f"<II{count}Q")).pack(count, 0, *sizes)
     if sizes and max(sizes) < _JOIN_MAX:  # the usual small message: one piece, in one join
-        count = len(sizes)
-        header = _HEADERS[count] if count < len(_HEADERS) else struct.Struct(f"<II{count}Q")
-        parts: list = [header.pack(count, 0, *sizes)]
+        parts: list = [header]
         for frame, size in zip(frames, sizes):
             parts.append(frame)
             if size & 7:
-                parts.append(_ZEROS[:-size & 7])
+                parts.append(_ZEROS[:_pad(size)])
         return [memoryview(b"".join(parts))]
     views = [memoryview(frame).cast("B") for frame in frames]
-    small: list = [struct.pack(f"<II{len(views)}Q", len(views), 0, *sizes)]
+    small: list = [header]
     pieces: list = []
 
     def flush_small() -> None:
@@ -367,7 +367,7 @@ class StreamDecoder:
             raise RemoteProtocolError(f"shared-memory stream: message of {total} bytes (limit {self._max_bytes})")
         size = header + total
         for length in lengths:
-            size += -length & 7  # the padding (_pad)
+            size += _pad(length)
         if end - position < size:
             return None, size
         if len(view) > _SHARE_MAX and size < len(view) // 4:
@@ -378,7 +378,7 @@ class StreamDecoder:
         at = position + header
         for length in lengths:
             frames.append(view[at:at + length])
-            at += length + (-length & 7)
+            at += length + _pad(length)
         return frames, size
 
 
