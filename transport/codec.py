@@ -302,9 +302,7 @@ class Codec:
             error = MessageTooLargeError(f"message is {total} bytes, the limit is {self.max_message_bytes}")
             error.message_id = _peek_message_id(frames[0])  # so the refusal names the message
             raise error
-        raw = frames[0]
-        if type(raw) is not memoryview and hasattr(raw, "bytes"):
-            raw = raw.bytes  # a zmq.Frame's cached bytes; ring frames are read in place
+        raw = _frame_buffer(frames[0])
         try:
             header = msgpack.unpackb(raw, use_list=True, raw=False, strict_map_key=True)
         except Exception as exc:  # msgpack raises many types for garbage; all mean the same
@@ -552,4 +550,6 @@ def _frame_bytes(frame: Any) -> bytes:
 def _frame_buffer(frame: Any) -> Any:
     """A frame's bytes for a reader that takes any buffer (msgpack): a zmq.Frame's cached
     bytes, anything else as it is, uncopied (frames from a shared-memory ring)."""
+    if type(frame) is memoryview:  # the usual ring frame: no attribute lookup that fails
+        return frame
     return frame.bytes if hasattr(frame, "bytes") else frame
