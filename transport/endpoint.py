@@ -1296,7 +1296,7 @@ class Endpoint:
         """Read every ring (under the socket lock), after emptying the doorbell (``drain``);
         write what waited for room in the peers' rings."""
         if drain:
-            shm.drain(self._bell.fd)
+            self._bell.drain()
         for record in self._rings_in:
             self._read_ring(record)
         if self._unwritten:

@@ -212,9 +212,15 @@ class Plan:
             for index in group.feeders:  # (groups in index order: each ``feeds`` stays sorted)
                 groups[index].feeds.append(group.index)
             group.stepwise = may_chain and len(group.captures) > 1 and _chained(group, successors)
-            group.recv_targets = list(dict.fromkeys(t for t, _ in group.captures if t in exits and t not in leaves))
-            group.capture_edges = tuple([GradientEdge(node, slot) for node, slot in group.captures])
-            group.capture_leaves = tuple([node in leaves for node, _ in group.captures])
+            capture_edges, capture_leaves, recv_targets = [], [], group.recv_targets
+            for node, slot in group.captures:
+                capture_edges.append(GradientEdge(node, slot))
+                leaf = node in leaves
+                capture_leaves.append(leaf)
+                if not leaf and node in exits and node not in recv_targets:
+                    recv_targets.append(node)
+            group.capture_edges = tuple(capture_edges)
+            group.capture_leaves = tuple(capture_leaves)
         # Leaves that several groups feed: their tensor hooks must not run in each group's
         # call (see Pass._held_leaves).
         self.shared_leaves = [node for node in leaves if len(exits[node].feeders) > 1]
@@ -223,6 +229,10 @@ class Plan:
         self.direct_exits = {
             key: [node for node, e in recvs if e.direct_roots & bit] for key, bit in self.root_bits.items()
         }
+        # What each pass starts counting down from (Pass.__init__ copies them).
+        self.feeder_counts = [len(group.feeders) for group in groups]
+        self.recv_counts = {node: len(e.feeders) + bin(e.direct_roots).count("1") for node, e in recvs}
+        self.post_hook_feeders = {node: len(exits[node].feeders) for node in self.post_hooks}
 
     def _masks(self, nodes: list, successors: dict) -> dict[Any, int]:
         masks = {node: 0 for node in nodes}
@@ -323,13 +333,15 @@ class Pass:
         self._lock = threading.Lock()
         self._delivered = 0  # mask of roots that delivered
         self._buffers: list[dict] = [{} for _ in plan.groups]
-        self._waiting_feeders = [len(g.feeders) for g in plan.groups]
+        self._waiting_feeders = plan.feeder_counts.copy()
         self._started = [False] * len(plan.groups)
         self._exit_buffers: dict[Any, dict] = {}
         # Leaves with post hooks when the pass starts (most passes: none): how many feeding
         # groups have yet to run, and the sum of what those that ran gave (the hooks run once,
         # after the last).
-        self._hook_waiting = {node: len(plan.exits[node].feeders) for node, hooks in plan.post_hooks.items() if hooks}
+        self._hook_waiting = {
+            node: count for node, count in plan.post_hook_feeders.items() if plan.post_hooks[node]
+        } if plan.post_hooks else {}
         self._hook_grads: dict[Any, torch.Tensor] = {}
         # CPU leaves that several groups feed and that have tensor hooks when the pass starts
         # (most passes: none): torch's engine runs those hooks once, on the leaf's whole
@@ -343,10 +355,8 @@ class Pass:
                 make_suppressible(hooks)
                 self._held_leaves[node] = hooks
                 self._hook_waiting.setdefault(node, len(plan.exits[node].feeders))
-        self._suppressed = frozenset(id(hooks) for hooks in self._held_leaves.values())
-        self._exit_waiting = {
-            node: len(e.feeders) + bin(e.direct_roots).count("1") for node, e in plan.exits.items() if is_recv_node(node)
-        }
+        self._suppressed = frozenset(id(hooks) for hooks in self._held_leaves.values()) if self._held_leaves else _NONE
+        self._exit_waiting = plan.recv_counts.copy()
         self._remaining = len(plan.groups) + len(self._exit_waiting)
         self._outstanding = 0
         self._error: BaseException | None = None
@@ -672,6 +682,7 @@ class Pass:
 
 
 _FINISHED = RpcError("finished")
+_NONE: frozenset = frozenset()
 _NO_SUPPRESSION = contextlib.nullcontext()
 
 

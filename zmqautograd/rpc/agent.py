@@ -249,6 +249,7 @@ class Agent:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._all_done = threading.Condition(self._lock)
+        self._done_waiters = 0  # threads in wait_outstanding
         self._stopping = False
         # Peers that finish init_rpc first may call us before our init_rpc has published this
         # agent; their calls wait here until it has (see start_serving).
@@ -757,7 +758,8 @@ class Agent:
         pending = self._pending.pop(message_id, None)
         if pending is not None:
             self._barrier_ids.discard(message_id)
-            self._all_done.notify_all()
+            if self._done_waiters:  # (a notify costs ~1 us; nobody waits but at shutdown)
+                self._all_done.notify_all()
         return pending
 
     def wait_outstanding(self, timeout: float | None) -> bool:
@@ -768,9 +770,13 @@ class Agent:
             return False
         self.autograd.cleanups.flush()  # context releases waiting for their batch
         with self._lock:
-            return self._all_done.wait_for(
-                lambda: len(self._pending) <= len(self._barrier_ids) and self._retrying == 0, timeout
-            )
+            self._done_waiters += 1
+            try:
+                return self._all_done.wait_for(
+                    lambda: len(self._pending) <= len(self._barrier_ids) and self._retrying == 0, timeout
+                )
+            finally:
+                self._done_waiters -= 1
 
     def _close_now(self, reason: str, drain: float = 10.0) -> None:
         self._serving.set()  # release calls that were waiting for an init that failed
