@@ -38,24 +38,36 @@ DEFAULT_DELAY = 0.01  # seconds; the timer thread may fire up to 5 ms later stil
 Send = Callable[[int, list], None]  # send(worker, context_ids)
 
 
+class _Batch:
+    __slots__ = ("send", "ids", "timer")
+
+    def __init__(self, send: Send, ids: list[int]) -> None:
+        self.send = send
+        self.ids = ids
+        self.timer: timers.TimerHandle | None = None
+
+
 class CleanupBatcher:
     """Context ids to release on other workers, by worker."""
 
     def __init__(self, delay: float = DEFAULT_DELAY):
         self.delay = delay
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Send, list[int]]] = {}  # worker -> (how to send, ids)
+        self._pending: dict[int, _Batch] = {}  # worker -> what waits for it
 
     def add(self, worker: int, context_ids: list[int], send: Send) -> None:
         """Release ``context_ids`` on ``worker`` with the next ride or batch (``send`` sends a
         batch as a request of its own)."""
         with self._lock:
-            entry = self._pending.get(worker)
-            if entry is not None:
-                entry[1].extend(context_ids)
+            batch = self._pending.get(worker)
+            if batch is not None:
+                batch.ids.extend(context_ids)
                 return
-            self._pending[worker] = (send, list(context_ids))
-        timers.call_later(self.delay, self._flush_worker, worker)
+            batch = self._pending[worker] = _Batch(send, list(context_ids))
+        # Each batch has its own timer, which flushes that batch only: a batch that rode
+        # away must not leave a timer that later sends the next one (made after the ride,
+        # and due to ride on the next call) as a request of its own.
+        batch.timer = timers.call_later(self.delay, self._flush_worker, worker, batch)
 
     def take(self, worker: int) -> tuple[Send, list[int]] | None:
         """What waits for ``worker``, for a request about to leave for it to carry (give it
@@ -63,21 +75,28 @@ class CleanupBatcher:
         if not self._pending:  # the common case, without the lock (a racing add rides next time)
             return None
         with self._lock:
-            return self._pending.pop(worker, None)
+            batch = self._pending.pop(worker, None)
+        if batch is None:
+            return None
+        if batch.timer is not None:  # (None: add has not armed it yet; it finds the batch gone)
+            batch.timer.cancel()
+        return batch.send, batch.ids
 
     def flush(self) -> None:
         """Send every pending batch now."""
         with self._lock:
             pending, self._pending = self._pending, {}
-        for worker, (send, ids) in pending.items():
-            send(worker, ids)
+        for worker, batch in pending.items():
+            if batch.timer is not None:
+                batch.timer.cancel()
+            batch.send(worker, batch.ids)
 
-    def _flush_worker(self, worker: int) -> None:
+    def _flush_worker(self, worker: int, batch: _Batch) -> None:
         with self._lock:
-            entry = self._pending.pop(worker, None)
-        if entry is not None:
-            send, ids = entry
-            send(worker, ids)
+            if self._pending.get(worker) is not batch:
+                return  # it rode on a call, or was flushed
+            del self._pending[worker]
+        batch.send(worker, batch.ids)
 
 
 def release_everywhere(agent: Any, context: Any, skip: int = -1) -> None:

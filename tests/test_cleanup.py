@@ -1,0 +1,54 @@
+"""Batching of context releases for other workers (zmqautograd/autograd/cleanup.py). The
+releases riding on calls, end to end: test_autograd_graphs.py."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from zmqautograd import timers
+from zmqautograd.autograd.cleanup import CleanupBatcher
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_batch_that_rode_away_leaves_no_timer_that_sends_the_next_batch_early():
+    sent: list[tuple[int, list]] = []
+    next_batch_sent = threading.Event()
+
+    def send(worker: int, context_ids: list) -> None:
+        sent.append((worker, context_ids))
+        next_batch_sent.set()
+
+    batcher = CleanupBatcher(delay=0.2)
+    batcher.add(1, [10], send)
+    assert batcher.take(1) == (send, [10])  # it rides on a call
+    batcher.delay = 1.0
+    batcher.add(1, [11], send)  # the next batch, due to ride on the next call within 1 s
+    # Timers fire in deadline order on one thread: when this one runs, the first batch's
+    # timer (0.2 s) has run already, and the second's (1 s) has not.
+    seen_then: list = []
+    probed = threading.Event()
+    timers.call_later(0.5, lambda: (seen_then.append(list(sent)), probed.set()))
+    assert probed.wait(10)
+    assert seen_then == [[]], "the first batch's timer sent the second batch"
+    # Its own timer sends it, once.
+    assert next_batch_sent.wait(10)
+    assert sent == [(1, [11])]
+    assert batcher.take(1) is None
+
+
+def test_releases_added_to_a_waiting_batch_leave_with_it():
+    sent: list[tuple[int, list]] = []
+    done = threading.Event()
+
+    def send(worker: int, context_ids: list) -> None:
+        sent.append((worker, context_ids))
+        done.set()
+
+    batcher = CleanupBatcher(delay=0.05)
+    batcher.add(2, [1], send)
+    batcher.add(2, [2, 3], send)
+    assert done.wait(10)
+    assert sent == [(2, [1, 2, 3])]
