@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -160,6 +161,39 @@ def owned_rrefs():
     from zmqautograd.rpc.rref import _owned_count
 
     return _owned_count()
+
+
+def rref_debug_info():
+    return {key: int(value) for key, value in rpc._rref_context_get_debug_info().items()}
+
+
+_kept_rref = None
+
+
+def keep_rref(rref):
+    """Hold a user of ``rref`` here until clear_kept_rref (torch's set_global_rref)."""
+    global _kept_rref
+    _kept_rref = rref
+
+
+def clear_kept_rref():
+    global _kept_rref
+    _kept_rref = None
+
+
+_gate = threading.Event()
+
+
+def wait_at_gate(value):
+    """Return ``value`` once open_gate is called (then close it again for the next use)."""
+    if not _gate.wait(60):
+        raise TimeoutError("the gate was never opened")
+    _gate.clear()
+    return value
+
+
+def open_gate():
+    _gate.set()
 
 
 def settle():

@@ -670,6 +670,59 @@ def test_dropped_rrefs_leave_nothing_on_the_owner(group):
     assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline
 
 
+def _rref_info() -> dict[str, int]:
+    return {key: int(value) for key, value in rpc._rref_context_get_debug_info().items()}
+
+
+def test_rref_context_debug_info(group):
+    """torch's test_rref_context_debug_info, from the driver: a local RRef is counted as
+    owned once shared, not before; a remote() value on its owner; a user RRef as pending
+    until its owner confirms it; nothing pending once every worker settled."""
+    _settle_everyone(group)
+    base = _rref_info()
+    assert set(base) == {"num_owner_rrefs", "num_pending_futures", "num_pending_users", "num_forks"}
+    assert base["num_pending_futures"] == 0 and base["num_pending_users"] == 0
+    local = rpc.RRef(torch.ones(2))
+    assert _rref_info() == base  # not shared yet
+    rpc.rpc_sync("worker1", f.keep_rref, args=(local,))
+    _settle_everyone(group)
+    info = _rref_info()
+    assert info["num_owner_rrefs"] == base["num_owner_rrefs"] + 1
+    assert info["num_forks"] == base["num_forks"] + 1
+    assert info["num_pending_users"] == info["num_pending_futures"] == 0
+    rpc.rpc_sync("worker1", f.clear_kept_rref)
+    _settle_everyone(group)  # worker1's delete is answered: the fork is gone
+    assert _rref_info() == base
+    # remote(): owned on worker1; pending here until worker1 confirms it.
+    base1 = rpc.rpc_sync("worker1", f.rref_debug_info)
+    gated = rpc.remote("worker1", f.wait_at_gate, args=(7,))
+    try:
+        assert _rref_info()["num_pending_users"] == 1  # worker1 answers once the function returns
+    finally:
+        rpc.rpc_sync("worker1", f.open_gate)
+    other = rpc.remote("worker1", torch.add, args=(torch.ones(2, 2), 1))
+    assert gated.to_here() == 7 and torch.equal(other.to_here(), torch.full((2, 2), 2.0))
+    _settle_everyone(group)
+    assert _rref_info()["num_pending_users"] == 0
+    info1 = rpc.rpc_sync("worker1", f.rref_debug_info)
+    assert info1["num_owner_rrefs"] == base1["num_owner_rrefs"] + 2
+    assert info1["num_forks"] == base1["num_forks"] + 2
+    assert info1["num_pending_futures"] == info1["num_pending_users"] == 0
+    del gated, other
+    _settle_everyone(group)
+    assert rpc.rpc_sync("worker1", f.rref_debug_info) == base1
+
+
+def test_debug_info_is_the_union_of_rref_agent_and_autograd_info(group):
+    """torch's test_debug_info: the three sources share no key, and _get_debug_info has all."""
+    rref_info = rpc._rref_context_get_debug_info()
+    agent_info = rpc._get_current_rpc_agent().get_debug_info()
+    autograd_info = dist_autograd._get_debug_info()
+    assert not rref_info.keys() & agent_info.keys() & autograd_info.keys()
+    assert not (rref_info.keys() & agent_info.keys()) and not (agent_info.keys() & autograd_info.keys())
+    assert rpc._get_debug_info().keys() == rref_info.keys() | agent_info.keys() | autograd_info.keys()
+
+
 def test_an_rref_dropped_while_the_socket_lock_is_held_does_not_deadlock(group):
     """``RRef.__del__`` runs wherever the last reference goes or the garbage collector runs,
     even on the endpoint's I/O thread in the middle of a receive, which holds the socket lock

@@ -8,8 +8,10 @@ from . import functions
 from .agent import WorkerInfo
 from .api import (
     _get_current_rpc_agent,
+    _get_debug_info,
     _get_rpc_timeout,
     _is_initialized,
+    _rref_context_get_debug_info,
     _set_rpc_timeout,
     get_worker_info,
     init_rpc,
@@ -32,6 +34,7 @@ from .options import (
 __all__ = [
     "functions", "WorkerInfo", "get_worker_info", "init_rpc", "remote", "RRef", "rpc_async", "rpc_sync", "shutdown",
     "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized", "_get_current_rpc_agent", "is_available",
+    "_get_debug_info", "_rref_context_get_debug_info",
     "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
     "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",
     "BackendType", "TensorPipeRpcBackendOptions",

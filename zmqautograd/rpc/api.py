@@ -174,6 +174,24 @@ def _get_current_rpc_agent() -> Any:
     return _current()
 
 
+def _rref_context_get_debug_info() -> dict[str, str]:
+    """This worker's RRef counters, as torch's: ``num_owner_rrefs``, ``num_pending_futures``,
+    ``num_pending_users``, ``num_forks`` (rref.py, ``RRefContext.debug_info``)."""
+    return _current().rrefs.debug_info()
+
+
+def _get_debug_info() -> dict[str, str]:
+    """torch's ``rpc._get_debug_info()``: the RRef counters, the agent's and distributed
+    autograd's, in one dict (their keys do not overlap)."""
+    from ..autograd import _get_debug_info as autograd_debug_info  # (autograd imports this package)
+
+    agent = _current()
+    info = agent.rrefs.debug_info()
+    info.update(agent.get_debug_info())
+    info.update(autograd_debug_info())
+    return info
+
+
 def is_available() -> bool:
     """Whether RPC can be used in this build (always: it is pure Python)."""
     return True

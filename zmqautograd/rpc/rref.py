@@ -26,6 +26,7 @@ import itertools
 import logging
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -59,6 +60,8 @@ class RRefContext:
         self._owned: dict[RRefId, _OwnerEntry] = {}
         self._pending_children: dict[tuple, "RRef"] = {}  # fork id -> our RRef, until accepted
         self._counter = itertools.count(1)
+        self._users: weakref.WeakSet = weakref.WeakSet()  # user RRefs here (debug_info counts the unconfirmed)
+        self._control_in_flight = 0  # fork requests, child accepts and deletes not answered yet
         # RRefs dropped by ``__del__``, released on a thread of their own. ``__del__`` runs
         # wherever the garbage collector happens to run, possibly on a thread that holds the
         # endpoint's socket lock or this context's lock (seen: the I/O thread, mid-receive,
@@ -153,8 +156,8 @@ class RRefContext:
                     _, owner_id, rref_id, fork_id = item
                     agent = self.agent
                     if not agent.closed and agent.rrefs is self:
-                        agent.call_retrying(owner_id, _delete_fork, (list(rref_id), list(fork_id)),
-                                            MessageType.RREF_USER_DELETE)
+                        self._control(owner_id, _delete_fork, (list(rref_id), list(fork_id)),
+                                      MessageType.RREF_USER_DELETE)
             except Exception as exc:  # noqa: BLE001 - the owner's peer-loss handling covers the rest
                 log.debug("releasing %s failed: %s", item, exc)
             del item
@@ -189,7 +192,40 @@ class RRefContext:
         if parent == self.agent.rank:
             self.child_accepted(fork_id)
         else:
-            self.agent.call_retrying(parent, _child_accept, (list(fork_id),), MessageType.RREF_CHILD_ACCEPT)
+            self._control(parent, _child_accept, (list(fork_id),), MessageType.RREF_CHILD_ACCEPT)
+
+    def _control(self, to: int, function: Callable, args: tuple, message_type: MessageType) -> torch.futures.Future:
+        """An RRef protocol message (retried; see Agent.call_retrying), counted while unanswered."""
+        with self._lock:
+            self._control_in_flight += 1
+        try:
+            sent = self.agent.call_retrying(to, function, args, message_type)
+        except BaseException:
+            self._control_answered(None)
+            raise
+        sent.add_done_callback(self._control_answered)
+        return sent
+
+    def _control_answered(self, _: Any) -> None:
+        with self._lock:
+            self._control_in_flight -= 1
+
+    def debug_info(self) -> dict[str, str]:
+        """torch's ``_rref_context_get_debug_info()``: owned values that other workers
+        reference (a local ``RRef(value)`` counts once it has been shared), owned values
+        asked for before they exist and RRef protocol messages in flight (torch counts both
+        as pending futures), user RRefs here that their owner has not confirmed yet, and the
+        forks the owned values have."""
+        with self._lock:
+            shared = [e for e in self._owned.values() if e.created and (e.forks or e.deleted_early)]
+            pending = sum(1 for e in self._owned.values() if not e.created) + self._control_in_flight
+        unconfirmed = sum(1 for rref in list(self._users) if not rref._confirmed.is_set() and not rref._creation.done())
+        return {
+            "num_owner_rrefs": str(len(shared)),
+            "num_pending_futures": str(pending),
+            "num_pending_users": str(unconfirmed),
+            "num_forks": str(sum(len(e.forks) for e in shared)),
+        }
 
     # ------------------------------------------------------------------------- wire format
 
@@ -220,8 +256,8 @@ class RRefContext:
         if parent == owner_id:
             rref._confirmed.set()  # the owner registered this fork when it sent it
             return rref
-        registered = agent.call_retrying(owner_id, _fork_request, (list(rref_id), list(fork_id)),
-                                         MessageType.RREF_FORK_REQUEST)
+        registered = self._control(owner_id, _fork_request, (list(rref_id), list(fork_id)),
+                                   MessageType.RREF_FORK_REQUEST)
 
         def confirmed(done: Any) -> None:
             rref._confirm_if_ok(done)
@@ -260,6 +296,7 @@ class RRef:
         rref._type_name = type_name
         rref._confirmed = threading.Event()
         rref._creation: torch.futures.Future = torch.futures.Future()  # settles with the owner's answer
+        context._users.add(rref)
         return rref
 
     def _init_owner(self, context: RRefContext, rref_id: RRefId, type_name: str) -> None:
