@@ -281,6 +281,27 @@ def test_errors_for_unknown_workers_and_bad_arguments(group):
         rpc.rpc_sync("worker1", f.unpicklable_result)
 
 
+def test_builtin_operators_with_arguments_they_do_not_take_raise_as_torchs_do(group):
+    """torch's test_op_with_invalid_args: RuntimeError, "failed to match any schema" (a
+    TypeError too, which Python's own argument parser would raise); by rpc_async and remote()
+    as well. A Python function's TypeError stays a TypeError only (test_py_function_exception)."""
+    schema = "Overloaded torch operator invoked from Python failed to match any schema: aten::add"
+    for call in (lambda: rpc.rpc_sync("worker1", torch.add, args=()),
+                 lambda: rpc.rpc_async("worker1", torch.add, args=("a", 1)).wait(),
+                 lambda: rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1), kwargs={"bogus": 1}),
+                 lambda: rpc.remote("worker1", torch.add, args=()).to_here()):
+        with pytest.raises(RuntimeError, match=schema) as raised:
+            call()
+        assert isinstance(raised.value, TypeError) and "On WorkerInfo(id=1, name=worker1)" in str(raised.value)
+    # An operator's own runtime error is no argument mismatch.
+    with pytest.raises(RuntimeError, match="must match the size") as raised:
+        rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), torch.ones(3)))
+    assert not isinstance(raised.value, TypeError)
+    with pytest.raises(TypeError) as raised:
+        rpc.rpc_sync("worker1", f.my_function, args=(1,))  # a Python function, missing arguments
+    assert type(raised.value) is TypeError
+
+
 def test_a_function_the_callee_cannot_import_is_a_clear_error(group):
     from zmqautograd.rpc.serialization import FunctionRef
 

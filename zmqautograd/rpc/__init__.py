@@ -21,7 +21,10 @@ from .api import (
     rpc_sync,
     shutdown,
 )
-from .errors import RemoteException, RendezvousError, RpcError, RpcNotInitializedError, RpcTimeoutError, SerializationError
+from .errors import (
+    OperatorArgumentsError, RemoteException, RendezvousError, RpcError, RpcNotInitializedError, RpcTimeoutError,
+    SerializationError,
+)
 from .rref import RRef
 from .options import (
     DEFAULT_RPC_TIMEOUT_SEC,
@@ -35,7 +38,7 @@ __all__ = [
     "functions", "WorkerInfo", "get_worker_info", "init_rpc", "remote", "RRef", "rpc_async", "rpc_sync", "shutdown",
     "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized", "_get_current_rpc_agent", "is_available",
     "_get_debug_info", "_rref_context_get_debug_info",
-    "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
+    "OperatorArgumentsError", "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
     "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",
     "BackendType", "TensorPipeRpcBackendOptions",
 ]

@@ -31,7 +31,7 @@ from transport.waiter import Waiter
 
 from . import current
 from .functions import check_async_result, is_async_function
-from .errors import RpcError, RpcTimeoutError, SerializationError
+from .errors import RpcError, RpcTimeoutError, SerializationError, as_operator_error
 from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 from .pool import ElasticPool
@@ -583,7 +583,7 @@ class Agent:
         by distributed autograd runs with its context current (nested calls carry it on)."""
         if not self._serving.is_set():
             self._serving.wait(self.endpoint.options.connect_timeout)
-        context = None
+        context = function = None
         try:
             payload = message.payload
             if "rc" in payload:  # context releases that rode along (autograd/cleanup.py)
@@ -605,6 +605,8 @@ class Agent:
                 result.add_done_callback(lambda done: self._answer_with(message, done, context))
                 return
         except Exception as exc:
+            if type(exc) is TypeError and function is not None:
+                exc = as_operator_error(function, exc)
             self._reply(message, None, exc, context)
             return
         self._reply(message, result, None, context)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from transport.errors import PeerLostError, TransportError  # noqa: F401  (re-exported)
 
 
@@ -27,3 +29,35 @@ class RemoteException(RpcError):
 
 class SerializationError(RpcError):
     """A call, its arguments or its result cannot be carried (or were refused by policy)."""
+
+
+class OperatorArgumentsError(RpcError, TypeError):
+    """A builtin operator (``torch.add``, ...) was called by RPC with arguments that none of its
+    overloads takes. torch matches builtins against their schemas and raises RuntimeError
+    ("failed to match any schema"); PyTorch's argument parser, which checks them here, raises
+    TypeError. This is both, so either ``except`` catches it."""
+
+
+def as_operator_error(function: Callable, exc: TypeError) -> Exception:
+    """A TypeError from calling a builtin operator with arguments it does not take becomes
+    what torch raises for that (RuntimeError, "failed to match any schema"), still a
+    TypeError too (OperatorArgumentsError). Python functions keep their TypeError."""
+    name = _builtin_operator_name(function)
+    if name is None:
+        return exc
+    error = OperatorArgumentsError(f"Overloaded torch operator invoked from Python failed to match any schema: {name}: {exc}")
+    error.__traceback__ = exc.__traceback__
+    return error
+
+
+def _builtin_operator_name(function: Callable) -> str | None:
+    """The qualified name of the builtin operator ``function`` is (``aten::add``), as torch's RPC
+    finds it to send a builtin; None for anything else."""
+    try:
+        from torch.jit._builtins import _find_builtin
+    except ImportError:  # a torch without it: no function is treated as an operator
+        return None
+    try:
+        return _find_builtin(function)
+    except Exception:  # noqa: BLE001 - unhashable callables and the like are no operators
+        return None
