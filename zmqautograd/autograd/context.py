@@ -170,6 +170,7 @@ class ContextContainer:
         self._base = worker_id << 48
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)
+        self._release_waiters = 0  # threads in wait_released
         self._contexts: dict[int, DistAutogradContext] = {}
         # Recently released ids: a message of a released context that arrives late (a
         # remote()'s acknowledgement after its to_here(), a call overtaken by the cleanup)
@@ -248,7 +249,8 @@ class ContextContainer:
                 self._tombstone_order.append(context_id)
                 if len(self._tombstone_order) > MAX_TOMBSTONES:
                     self._tombstones.discard(self._tombstone_order.popleft())
-            self._released.notify_all()
+            if self._release_waiters:  # (a notify costs ~1 us; only tests and shutdown wait)
+                self._released.notify_all()
         if context is not None:
             context.released = True
         current = self.current()
@@ -280,7 +282,11 @@ class ContextContainer:
             return not any(c in self._contexts for c in context_ids)
 
         with self._lock:
-            return self._released.wait_for(gone, timeout)
+            self._release_waiters += 1
+            try:
+                return self._released.wait_for(gone, timeout)
+            finally:
+                self._release_waiters -= 1
 
     def count(self) -> int:
         with self._lock:
