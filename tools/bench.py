@@ -5,11 +5,13 @@ measured alternately, round by round, on one then the other, so that both see th
 machine noise. Prints medians and ratios (zmqautograd / TensorPipe: below 1 is better for
 times, above 1 for throughput).
 
-Sharing processes flatters zmqautograd: TensorPipe's same-host transport keeps a thread per
-process busy-polling all the time, which keeps the CPUs awake for zmqautograd's threads too
-(docs/transport.md, "Busy polling"). So a second table measures small calls, 64 calls in
-flight, a one-hop backward and a compute-bound call with each framework alone in its own pair
-of processes (set to one intra-op thread each), the groups alternating round by round:
+Sharing processes is not neutral: TensorPipe's same-host transport keeps a thread per process
+busy-polling all the time, and zmqautograd's waiting threads spin on their shared-memory rings,
+so while zmqautograd is measured the two fight for the CPUs (on the 2-vCPU development VM its
+small rpc_sync took 104-106 us there against 57-59 us alone; docs/transport.md, "Busy
+polling"). So a second table measures small calls, 64 calls in flight, a one-hop backward and
+a compute-bound call with each framework alone in its own pair of processes (set to one
+intra-op thread each), the groups alternating round by round:
 TensorPipe, zmqautograd, zmqautograd with the opt-in ``busy_poll``, and the *floor* of a
 pure-Python design (tools/floor.py: raw pyzmq and zmqautograd's codec, one thread a side, no
 RPC layer), whose throughput says how far beyond TensorPipe's such a design can get at all on
