@@ -17,7 +17,8 @@ pure-Python design (tools/floor.py: raw pyzmq and zmqautograd's codec, one threa
 RPC layer), whose throughput says how far beyond TensorPipe's such a design can get at all on
 this machine, and the floor of a same-host design without sockets (tools/shm_floor.py:
 shared-memory rings read by spinning threads, as TensorPipe's same-host transport), for
-latency and throughput.
+latency and throughput. A third table runs the 4-stage pipeline step the same way, each
+framework alone in its own 4 processes.
 
 The last column of each table is the share of the machine's CPU time the hypervisor stole
 while that row was measured (tools/machine.py): on a shared VM, the slow runs are the runs
@@ -200,15 +201,7 @@ def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -
     if framework == "shm":
         _shm_floor_alone(rank, port, results)
         return
-    if framework == "tp":
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        rpc, autograd = tp_rpc, tp_autograd
-        options = tp_rpc.TensorPipeRpcBackendOptions(num_worker_threads=16)
-    else:
-        rpc, autograd = zmq_rpc, zmq_autograd
-        options = zmq_rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", busy_poll=busy_poll)
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    rpc, autograd = _join_alone(rank, 2, framework, busy_poll, port)
     if rank == 0:
         small_latency(rpc, 50)  # warm-up
         async_throughput(rpc, 2)
@@ -220,6 +213,51 @@ def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -
                             lambda: one_hop_backward(rpc, autograd, 50), lambda: compute_call(rpc, 20))
         ))
     rpc.shutdown()
+
+
+def _join_alone(rank: int, world: int, framework: str, busy_poll: float, port: int) -> tuple:
+    """``init_rpc`` of one framework alone ("tp" or "zmq"): its rpc and autograd modules."""
+    if framework == "tp":
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        rpc, autograd = tp_rpc, tp_autograd
+        options = tp_rpc.TensorPipeRpcBackendOptions(num_worker_threads=16)
+    else:
+        rpc, autograd = zmq_rpc, zmq_autograd
+        options = zmq_rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", busy_poll=busy_poll)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    return rpc, autograd
+
+
+def run_pipeline_alone(rank: int, framework: str, port: int, results) -> None:
+    """The 4-stage pipeline step with one framework alone in its 4 processes: no other
+    framework's threads compete for the CPUs (see the module's docstring)."""
+    torch.set_num_threads(1)
+    rpc, autograd = _join_alone(rank, WORLD, framework, 0.0, port)
+    if rank == 0:
+        pipeline_step(rpc, autograd, 20)  # warm-up
+        results.put(statistics.median(pipeline_step(rpc, autograd, 20) for _ in range(5)))
+    rpc.shutdown()
+
+
+def standalone_pipeline(rounds: int) -> None:
+    results = mp.get_context("spawn").SimpleQueue()
+    samples: dict[str, list] = {"TensorPipe": [], "zmqautograd": []}
+    stolen: dict[str, list] = {name: [] for name in samples}
+    for _ in range(rounds):
+        for name, framework in (("TensorPipe", "tp"), ("zmqautograd", "zmq")):
+            steal = StealMeter()
+            mp.spawn(run_pipeline_alone, args=(framework, _free_port(), results), nprocs=WORLD)
+            samples[name].append(results.get())
+            stolen[name].append(steal.share())
+    print(f"\neach framework alone, {WORLD} processes, torch.set_num_threads(1) ({rounds} alternating rounds)", flush=True)
+    print(f"{'':<34}{'4-stage pipeline step':>24}{'stolen':>9}", flush=True)
+    tp = statistics.median(samples["TensorPipe"])
+    for name, values in samples.items():
+        median = statistics.median(values)
+        shares = [share for share in stolen[name] if share is not None]
+        print(f"{name:<34}{median * 1e6:>11.0f} us {median / tp:>5.2f}x"
+              f"{percent(statistics.median(shares) if shares else None):>9}", flush=True)
 
 
 def _floor_alone(rank: int, port: int, results) -> None:
@@ -293,11 +331,12 @@ def standalone(rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--standalone-rounds", type=int, default=3, help="0 to skip the second table")
+    parser.add_argument("--standalone-rounds", type=int, default=3, help="0 to skip the tables of each framework alone")
     args = parser.parse_args()
     mp.spawn(run, args=(_free_port(), _free_port(), args.rounds), nprocs=WORLD)
     if args.standalone_rounds:
         standalone(args.standalone_rounds)
+        standalone_pipeline(args.standalone_rounds)
 
 
 if __name__ == "__main__":
