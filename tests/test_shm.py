@@ -4,6 +4,7 @@ memory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import select
@@ -163,9 +164,11 @@ def test_the_doorbell_wakes_a_poller_and_drains():
 # --------------------------------------------------------------- endpoints in this process
 
 
-def _pair(rings: bool = True, **options):
+@contextlib.contextmanager
+def _paired(rings: bool = True, **options):
     """Two connected endpoints in this process, ``b`` receiving with recv(); lost peers of
-    ``b`` go to the returned queue. ``rings``: return once both send through their rings."""
+    ``b`` go to the queue yielded with them; both closed at the end. ``rings``: start once
+    both send through their rings."""
     lost: queue.SimpleQueue = queue.SimpleQueue()
     a = Endpoint("a", options=EndpointOptions(**options))
     b = Endpoint("b", options=EndpointOptions(**options), on_peer_lost=lambda peer, error: lost.put((peer, error)))
@@ -176,11 +179,10 @@ def _pair(rings: bool = True, **options):
         b.wait_for_peer("a", 30)
         if rings:
             _wait_for(lambda: a.stats()["b"].shared_memory and b.stats()["a"].shared_memory)
-    except BaseException:
+        yield a, b, lost
+    finally:
         a.close()
         b.close()
-        raise
-    return a, b, lost
 
 
 def _mapped_rings() -> int:
@@ -194,8 +196,7 @@ def test_messages_still_queued_for_a_full_ring_leave_before_goodbye():
     # them (within close_linger), and the receiver reads the ring before it takes the
     # GOODBYE, which travels through the socket, as the loss of that peer.
     before = _mapped_rings()
-    a, b, lost = _pair(shm_ring=4096, close_linger=10.0)
-    try:
+    with _paired(shm_ring=4096, close_linger=10.0) as (a, b, lost):
         payload = bytes(1000)
         for seq in range(300):
             a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", [seq, payload]))
@@ -205,9 +206,6 @@ def test_messages_still_queued_for_a_full_ring_leave_before_goodbye():
         assert all(m.payload[1] == payload for m in received)
         peer, error = lost.get(timeout=30)
         assert peer == "a" and "closed its endpoint" in str(error)
-    finally:
-        a.close()
-        b.close()
     assert _mapped_rings() == before  # closed endpoints hold no ring memory
 
 
@@ -216,8 +214,7 @@ def test_a_lost_peers_ring_is_read_before_its_loss_is_taken():
     # its GOODBYE (socket) in a batch whose look at the rings came before that data. Forced
     # here by keeping b from reading its rings at all but through the loss itself: what a
     # wrote must still arrive, in order, and before b reports the loss.
-    a, b, lost = _pair(spin=0)
-    try:
+    with _paired(spin=0) as (a, b, lost):
         b._receive_rings = lambda drain=True: None  # only _peer_lost's own read remains
         for seq in range(5):
             a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", [seq]))
@@ -225,29 +222,20 @@ def test_a_lost_peers_ring_is_read_before_its_loss_is_taken():
         peer, error = lost.get(timeout=30)
         assert peer == "a" and "closed its endpoint" in str(error)
         assert [b.recv(5).payload[0] for _ in range(5)] == list(range(5))
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_message_of_several_big_frames_goes_through_the_ring():
     # Tensors of 64 KiB (below lend_min: not lent) travel as frames of their own, one after
     # the other, with nothing to join between them.
-    a, b, _lost = _pair()
-    try:
+    with _paired() as (a, b, _lost):
         tensors = [torch.randn(16384), torch.randn(16384), torch.arange(8192, dtype=torch.int64)]
         a.send("b", Message(MessageType.PYTHON_CALL, 1, "a", tensors))
         received = b.recv(30).payload
         assert all(torch.equal(x, y) for x, y in zip(received, tensors))
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_malformed_ring_stream_loses_that_peer_and_the_endpoint_goes_on():
-    a, b, lost = _pair()
-    c = Endpoint("c")
-    try:
+    with _paired() as (a, b, lost), Endpoint("c") as c:
         with a._socket_lock:  # as a's own sends do: one writer at a time
             record = a._peers["b"]
             record.ring_out.write(memoryview(b"\xff" * 64))  # 0xffffffff frames
@@ -262,9 +250,6 @@ def test_a_malformed_ring_stream_loses_that_peer_and_the_endpoint_goes_on():
         c.send("b", Message(MessageType.PYTHON_CALL, 7, "c", "still here"))
         message = b.recv(30)
         assert (message.sender, message.payload) == ("c", "still here")
-    finally:
-        for endpoint in (a, b, c):
-            endpoint.close()
 
 
 # ------------------------------------------------------------------ against a server process
@@ -371,8 +356,7 @@ def test_waiting_threads_stop_spinning_once_their_spin_is_over():
     # After traffic, a thread waiting for a message that does not come spins for ``spin``
     # (and the I/O thread as long), then sleeps: over 1.5 s of such a wait the process uses a
     # small fraction of a CPU, where a spin that never ended would use all of one.
-    a, b, _lost = _pair()
-    try:
+    with _paired() as (a, b, _lost):
         for seq in range(100):
             a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
             assert b.recv(30).payload == seq
@@ -381,9 +365,6 @@ def test_waiting_threads_stop_spinning_once_their_spin_is_over():
             b.recv(1.5)  # spins 2 ms, then sleeps until the timeout
         used = time.process_time() - cpu_before
         assert used < 0.5, f"an idle wait of 1.5 s used {used:.2f} s of CPU"
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_peer_whose_doorbell_cannot_be_reached_stays_on_the_socket(monkeypatch):
@@ -393,14 +374,10 @@ def test_a_peer_whose_doorbell_cannot_be_reached_stays_on_the_socket(monkeypatch
         raise ConnectionRefusedError(111, "Connection refused")
 
     monkeypatch.setattr(shm, "open_bell", unreachable)
-    a, b, _lost = _pair(rings=False)
-    try:
+    with _paired(rings=False) as (a, b, _lost):
         for seq in range(200):
             a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
         assert [b.recv(30).payload for _ in range(200)] == list(range(200))
         b.send("a", Message(MessageType.PYTHON_RET, 1, "b", "back"))
         assert a.recv(30).payload == "back"
         assert not a.stats()["b"].shared_memory and not b.stats()["a"].shared_memory
-    finally:
-        a.close()
-        b.close()
