@@ -13,14 +13,21 @@ from zmqautograd.autograd.cleanup import CleanupBatcher
 pytestmark = pytest.mark.timeout(30)
 
 
+class _Recorder:
+    """A batcher's ``send``: records what it sends; ``sent_one`` is set at the first send."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, list]] = []
+        self.sent_one = threading.Event()
+
+    def __call__(self, worker: int, context_ids: list) -> None:
+        self.sent.append((worker, context_ids))
+        self.sent_one.set()
+
+
 def test_a_batch_that_rode_away_leaves_no_timer_that_sends_the_next_batch_early():
-    sent: list[tuple[int, list]] = []
-    next_batch_sent = threading.Event()
-
-    def send(worker: int, context_ids: list) -> None:
-        sent.append((worker, context_ids))
-        next_batch_sent.set()
-
+    send = _Recorder()
+    sent, next_batch_sent = send.sent, send.sent_one
     batcher = CleanupBatcher(delay=0.2)
     batcher.add(1, [10], send)
     assert batcher.take(1) == (send, [10])  # it rides on a call
@@ -40,15 +47,9 @@ def test_a_batch_that_rode_away_leaves_no_timer_that_sends_the_next_batch_early(
 
 
 def test_releases_added_to_a_waiting_batch_leave_with_it():
-    sent: list[tuple[int, list]] = []
-    done = threading.Event()
-
-    def send(worker: int, context_ids: list) -> None:
-        sent.append((worker, context_ids))
-        done.set()
-
+    send = _Recorder()
     batcher = CleanupBatcher(delay=0.05)
     batcher.add(2, [1], send)
     batcher.add(2, [2, 3], send)
-    assert done.wait(10)
-    assert sent == [(2, [1, 2, 3])]
+    assert send.sent_one.wait(10)
+    assert send.sent == [(2, [1, 2, 3])]
