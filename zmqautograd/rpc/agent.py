@@ -203,6 +203,7 @@ class _Pending:
     future: torch.futures.Future | _SyncSlot | _PostedCall
     to: WorkerInfo
     timeout: float
+    timer: timers.TimerHandle | None = None  # its timeout, cancelled once the call completes
 
 
 class Agent:
@@ -364,17 +365,20 @@ class Agent:
             future = _SyncSlot(timeout, self.endpoint.waiter()) if sync else _CallFuture()
         message_id = next(self._ids)
         message = Message(message_type, message_id, self._me, payload)
+        pending = _Pending(future, info, timeout)
         with self._lock:
             if self._stopping:
                 self._give_back(info, releases)
                 raise RpcError("RPC is shutting down on this worker")
-            self._pending[message_id] = _Pending(future, info, timeout)
+            self._pending[message_id] = pending
             if barrier:
                 self._barrier_ids.add(message_id)
         if sync:
             future.message_id = message_id  # its waiter times it out (call_sync)
-        elif timeout > 0:  # a call answered first is simply not found when its timer fires
-            timers.call_later(timeout, self._expire, message_id)
+        elif timeout > 0:
+            # Cancelled when the call completes (_take); one that completes before the timer
+            # is set here leaves a timer that fires, finds nothing, and is gone.
+            pending.timer = timers.call_later(timeout, self._expire, message_id)
         try:
             tensors = [] if autograd is not None else None  # only recording needs them
             frames = self.codec.encode(message, tensors, placement or self.placement.request(info.name))
@@ -759,6 +763,8 @@ class Agent:
         """Remove a pending call (caller holds the lock) and wake wait_outstanding."""
         pending = self._pending.pop(message_id, None)
         if pending is not None:
+            if pending.timer is not None:
+                pending.timer.cancel()
             self._barrier_ids.discard(message_id)
             if self._done_waiters:  # (a notify costs ~1 us; nobody waits but at shutdown)
                 self._all_done.notify_all()
