@@ -13,11 +13,14 @@ def state() -> dict:
     """This worker's bookkeeping: what must be back to zero once everything settled."""
     agent = rpc.api._current()
     faults = agent.endpoint.faults
+    from zmqautograd import timers
+
     return {
         "contexts": agent.autograd.count(),
         "owned_rrefs": agent.rrefs.owned_count(),
         "pending_calls": agent.outstanding(),
         "threads": threading.active_count(),
+        "timers": len(timers._timers._heap),  # answered calls' timeouts must not pile up
         "faults": dict(faults.injected) if faults is not None else {},
     }
 

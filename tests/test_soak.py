@@ -2,7 +2,7 @@
 distributed backward passes for about 40 seconds, while every retryable control message fails
 a quarter of the time and deletions and cleanups are delayed. Every result is checked against
 a local computation; at the end nothing is left anywhere: no context, no owned RRef, no pending
-call, no extra thread. Prints the figures (README: reliability)."""
+call, no extra thread, no pile of timers. Prints the figures (README: reliability)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,7 @@ def test_soak_random_mix_under_faults():
             assert state["contexts"] == 0, f"{name}: autograd contexts left: {state}"
             assert state["owned_rrefs"] == 0, f"{name}: owned RRefs left: {state}"
             assert state["pending_calls"] <= 1, f"{name}: calls left pending: {state}"  # <= 1: this state() call
+            assert state["timers"] < 500, f"{name}: timers left in the heap: {state}"
         for name, b, a in zip(workers, before, after):
             assert a["threads"] <= b["threads"] + 8, f"{name}: threads grew from {b['threads']} to {a['threads']}"
         assert faults["failed"] > 50 and faults["delayed"] > 50, faults
