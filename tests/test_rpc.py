@@ -706,40 +706,36 @@ def test_dropped_rrefs_leave_nothing_on_the_owner(group):
     assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline
 
 
-def _rref_info() -> dict[str, int]:
-    return {key: int(value) for key, value in rpc._rref_context_get_debug_info().items()}
-
-
 def test_rref_context_debug_info(group):
     """torch's test_rref_context_debug_info, from the driver: a local RRef is counted as
     owned once shared, not before; a remote() value on its owner; a user RRef as pending
     until its owner confirms it; nothing pending once every worker settled."""
     _settle_everyone(group)
-    base = _rref_info()
+    base = f.rref_debug_info()
     assert set(base) == {"num_owner_rrefs", "num_pending_futures", "num_pending_users", "num_forks"}
     assert base["num_pending_futures"] == 0 and base["num_pending_users"] == 0
     local = rpc.RRef(torch.ones(2))
-    assert _rref_info() == base  # not shared yet
+    assert f.rref_debug_info() == base  # not shared yet
     rpc.rpc_sync("worker1", f.keep_rref, args=(local,))
     _settle_everyone(group)
-    info = _rref_info()
+    info = f.rref_debug_info()
     assert info["num_owner_rrefs"] == base["num_owner_rrefs"] + 1
     assert info["num_forks"] == base["num_forks"] + 1
     assert info["num_pending_users"] == info["num_pending_futures"] == 0
     rpc.rpc_sync("worker1", f.clear_kept_rref)
     _settle_everyone(group)  # worker1's delete is answered: the fork is gone
-    assert _rref_info() == base
+    assert f.rref_debug_info() == base
     # remote(): owned on worker1; pending here until worker1 confirms it.
     base1 = rpc.rpc_sync("worker1", f.rref_debug_info)
     gated = rpc.remote("worker1", f.wait_at_gate, args=(7,))
     try:
-        assert _rref_info()["num_pending_users"] == 1  # worker1 answers once the function returns
+        assert f.rref_debug_info()["num_pending_users"] == 1  # worker1 answers once the function returns
     finally:
         rpc.rpc_sync("worker1", f.open_gate)
     other = rpc.remote("worker1", torch.add, args=(torch.ones(2, 2), 1))
     assert gated.to_here() == 7 and torch.equal(other.to_here(), torch.full((2, 2), 2.0))
     _settle_everyone(group)
-    assert _rref_info()["num_pending_users"] == 0
+    assert f.rref_debug_info()["num_pending_users"] == 0
     info1 = rpc.rpc_sync("worker1", f.rref_debug_info)
     assert info1["num_owner_rrefs"] == base1["num_owner_rrefs"] + 2
     assert info1["num_forks"] == base1["num_forks"] + 2

@@ -377,6 +377,13 @@ _EXT_CACHE_MAX = 4096  # entries per table of ``cache`` extensions (cleared when
 _dense_specs: dict[bytes, tuple] = {}
 
 
+def _remember(table: dict, key: Any, value: Any) -> None:
+    """Keep ``value`` in one of the codec's bounded tables (cleared when full)."""
+    if len(table) >= _EXT_CACHE_MAX:
+        table.clear()
+    table[key] = value
+
+
 def _default(obj: Any) -> Any:
     return _packers.encoding.default(obj)
 
@@ -447,9 +454,7 @@ class _PayloadPacker:
             buffers = len(self.tensors.buffers)
             encoded = _ext_type(ext.code, self.pack(ext.encode(obj)))
             if len(self.tensors.buffers) == buffers:  # it holds no tensors after all: not kept
-                if len(table) >= _EXT_CACHE_MAX:
-                    table.clear()
-                table[obj] = encoded
+                _remember(table, obj, encoded)
         return encoded
 
 
@@ -475,9 +480,7 @@ class _PayloadUnpacker:
             if type(descriptor) is not list or not descriptor or descriptor[0] != DENSE:
                 return self.tensors.tensor(descriptor)
             spec = parse_dense(descriptor)
-            if len(_dense_specs) >= _EXT_CACHE_MAX:
-                _dense_specs.clear()
-            _dense_specs[data] = spec
+            _remember(_dense_specs, data, spec)
             return self.tensors.dense(spec)
         if code == EXT_TUPLE:
             return tuple(_list(self.unpack(data), "tuple"))
@@ -504,9 +507,7 @@ class _PayloadUnpacker:
             taken = self.tensors.taken
             value = ext.decode(self.unpack(data))
             if self.tensors.taken == taken:  # it holds no tensors of this message: kept
-                if len(table) >= _EXT_CACHE_MAX:
-                    table.clear()
-                table[key] = value
+                _remember(table, key, value)
         return value
 
 

@@ -1387,7 +1387,7 @@ class Endpoint:
             if not self._unwritten or remaining <= 0:
                 return
             select.select([self._bell.fd], [], [], min(remaining, 0.05))  # a reader made room
-            shm.drain(self._bell.fd)
+            self._bell.drain()
 
     def _close_rings(self, record: _Peer) -> None:
         """Unmap the peer's rings and close its doorbell (socket lock held)."""

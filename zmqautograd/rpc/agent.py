@@ -609,7 +609,7 @@ class Agent:
                 result.add_done_callback(lambda done: self._answer_with(message, done, context))
                 return
         except Exception as exc:
-            if type(exc) is TypeError and function is not None:
+            if function is not None:
                 exc = as_operator_error(function, exc)
             self._reply(message, None, exc, context)
             return

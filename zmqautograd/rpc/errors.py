@@ -38,10 +38,13 @@ class OperatorArgumentsError(RpcError, TypeError):
     TypeError. This is both, so either ``except`` catches it."""
 
 
-def as_operator_error(function: Callable, exc: TypeError) -> Exception:
-    """A TypeError from calling a builtin operator with arguments it does not take becomes
-    what torch raises for that (RuntimeError, "failed to match any schema"), still a
-    TypeError too (OperatorArgumentsError). Python functions keep their TypeError."""
+def as_operator_error(function: Callable, exc: Exception) -> Exception:
+    """What calling ``function`` raised, as the caller is to get it: a TypeError from a
+    builtin operator given arguments it does not take becomes what torch raises for that
+    (RuntimeError, "failed to match any schema"), still a TypeError too
+    (OperatorArgumentsError). Anything else, Python functions' TypeErrors included, as is."""
+    if type(exc) is not TypeError:
+        return exc
     name = _builtin_operator_name(function)
     if name is None:
         return exc

@@ -509,8 +509,7 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
         elif not future.done():  # a remote() to ourselves that timed out already failed it
             future.set_result(value)
     except Exception as exc:  # raised to whoever fetches the value, as torch does
-        if type(exc) is TypeError:
-            exc = as_operator_error(function, exc)
+        exc = as_operator_error(function, exc)
         if not future.done():
             future.set_exception(exc)
     context.set_created(rref_id)
