@@ -15,7 +15,7 @@ from ..rpc import current
 from ..rpc.errors import RpcError
 from . import cleanup
 from .context import ContextContainer, DistAutogradContext
-from .engine import LOCAL_ROOT, Pass, Plan
+from .engine import LOCAL_ROOT, Pass, plan_for
 from .functions import RecvInfo, profiled
 
 log = logging.getLogger(__name__)
@@ -142,18 +142,7 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
                 requester: int | None = None) -> Pass:
     """Make ``pass_id`` the context's pass on this worker (replacing a stale one);
     ``requester``: the worker that waits for the answer to the request that starts it."""
-    roots: dict[Any, list] = {}
-    if local_edges:
-        roots[LOCAL_ROOT] = local_edges
-    for message_id, node in sorted(ctx._send_functions().items()):
-        roots[message_id] = [(node, slot) for slot in range(len(node.next_functions))]
-    key = tuple((k, tuple(v)) for k, v in roots.items())
-    cached = ctx.plan_cache
-    if cached is not None and cached[0] == key:
-        plan = cached[1]
-    else:
-        plan = Plan(roots)
-        ctx.plan_cache = (key, plan)
+    plan = plan_for(ctx, local_edges)
     home = local_edges is not None
     idle = (agent.default_timeout if agent.default_timeout > 0 else None) if home else None
     # The caller of backward() waits for its pass's work in the transport's wait_until: the

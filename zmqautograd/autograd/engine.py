@@ -245,6 +245,39 @@ class Plan:
         return masks
 
 
+def plan_for(ctx: DistAutogradContext, local_edges: list | None) -> Plan:
+    """The plan of a pass over ``ctx`` on this worker: its roots are ``local_edges`` (the
+    caller of backward's) and the context's send functions. Kept in the context for its next
+    pass while no send function is added (a plan is the same for the same roots)."""
+    roots: dict[Any, list] = {}
+    if local_edges:
+        roots[LOCAL_ROOT] = local_edges
+    for message_id, node in sorted(ctx._send_functions().items()):
+        roots[message_id] = [(node, slot) for slot in range(len(node.next_functions))]
+    key = tuple((k, tuple(v)) for k, v in roots.items())
+    cached = ctx.plan_cache
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    plan = Plan(roots)
+    ctx.plan_cache = (key, plan)
+    return plan
+
+
+def prepare_plan(ctx: DistAutogradContext) -> None:
+    """Build the plan of the next pass over ``ctx`` here ahead of time, as a worker that
+    answered a recorded call does while it has nothing else to do: the gradients for that
+    answer come later, and their pass then starts without building it (a plan takes tens of
+    microseconds, on the critical path of every backward pass through this worker). Its
+    roots are the send functions only: on the worker that calls backward, the local root
+    differs, and the plan is built anew then."""
+    if ctx.current_pass is not None or ctx.released:
+        return
+    try:
+        plan_for(ctx, None)
+    except Exception:  # noqa: BLE001 - the pass builds it again, and reports what fails
+        log.debug("building the plan of context %d ahead of time failed", ctx.context_id, exc_info=True)
+
+
 _LEAF_TYPE = _ACCUMULATE_GRAD_TYPE
 _EXIT: list = []  # the successors of an exit (leaves and recv functions end the walk); never mutated
 

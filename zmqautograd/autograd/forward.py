@@ -23,7 +23,7 @@ from .functions import attach_recv_node, make_send_node
 
 # Calls that may carry autograd metadata; the RPC layer's own control messages never do.
 RECORDED_CALLS = frozenset({MessageType.PYTHON_CALL, MessageType.PYTHON_REMOTE_CALL, MessageType.PYTHON_RREF_FETCH_CALL})
-_BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType, types.MethodDescriptorType,
+BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType, types.MethodDescriptorType,
                   types.WrapperDescriptorType, types.MethodWrapperType)
 
 
@@ -32,7 +32,7 @@ def request_metadata(container: ContextContainer, message_type: MessageType, fun
     context = container.current()
     if context is None or message_type not in RECORDED_CALLS:
         return None
-    forced = message_type is not MessageType.PYTHON_CALL or not isinstance(function, _BUILTIN_TYPES)
+    forced = message_type is not MessageType.PYTHON_CALL or not isinstance(function, BUILTIN_TYPES)
     if not forced and not _any_requires_grad(args) and not _any_requires_grad(kwargs):
         return None  # a builtin on tensors that need no grad: nothing to record
     return [context.context_id, container.new_message_id()]

@@ -40,6 +40,7 @@ from .rref import RRef, RRefContext
 from .serialization import RpcCodec, decode_exception, encode_exception, encode_function, resolve_function
 from .. import timers
 from ..autograd import cleanup
+from ..autograd import engine as autograd_engine
 from ..autograd import forward as autograd_forward
 from ..autograd.context import ContextContainer
 
@@ -379,12 +380,11 @@ class Agent:
             # Cancelled when the call completes (_take); one that completes before the timer
             # is set here leaves a timer that fires, finds nothing, and is gone.
             pending.timer = timers.call_later(timeout, self._expire, message_id)
+        tensors = [] if autograd is not None else None  # only recording needs them
         try:
-            tensors = [] if autograd is not None else None  # only recording needs them
             frames = self.codec.encode(message, tensors, placement or self.placement.request(info.name))
-            if autograd is not None:
+            if autograd is not None and not sync:
                 autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
-            del tensors
             self._transmit(info, message, frames)
         except BaseException as exc:
             self._claim(message_id)  # never sent: nothing will complete it
@@ -392,6 +392,16 @@ class Agent:
             if isinstance(exc, (TransportError, SerializationError)):
                 raise _with_context(exc, f"cannot send a call to {info}") from None
             raise
+        if autograd is not None and sync:
+            # Recorded while the call is on its way: nothing needs the send function before
+            # this thread's wait for the answer ends (a backward pass over it starts after
+            # that, on this thread), and the recording then costs no latency. Other calls
+            # record first: their answer may start a pass on another thread at once.
+            try:
+                autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
+            except BaseException:
+                self._claim(message_id)  # its answer, when it comes, is dropped
+                raise
         return future
 
     def _give_back(self, info: WorkerInfo, releases: tuple | None) -> None:
@@ -587,17 +597,32 @@ class Agent:
         by distributed autograd runs with its context current (nested calls carry it on)."""
         if not self._serving.is_set():
             self._serving.wait(self.endpoint.options.connect_timeout)
+        payload = message.payload
+        releases = payload.get("rc") if type(payload) is dict else None  # rode along (autograd/cleanup.py)
+        if not self._run_call(message, releases) and releases is not None:
+            self._release_riding(message.sender, releases)
+
+    def _release_riding(self, sender: str, releases: Any) -> None:
+        try:
+            cleanup.release_here(self, releases, int(sender))
+        except Exception:  # noqa: BLE001 - never the call's failure
+            log.exception("%s: releasing the contexts %s from %s failed", self.info, releases, sender)
+
+    def _run_call(self, message: Message, releases: Any) -> bool:
+        """Run the call and answer it; whether it applied the context ``releases`` that rode
+        on it: before a Python function, which might wait for them, else not (the caller
+        applies them after the answer left: they then cost the call no latency; they are of
+        contexts the caller left before it made the call, so the call is in none of them)."""
         context = function = None
+        released = False
         try:
             payload = message.payload
-            if "rc" in payload:  # context releases that rode along (autograd/cleanup.py)
-                try:
-                    cleanup.release_here(self, payload["rc"], int(message.sender))
-                except Exception:  # noqa: BLE001 - never the call's failure
-                    log.exception("%s: releasing the contexts %s from %s failed", self.info, payload["rc"], message.sender)
             if message.type is MessageType.FORWARD_AUTOGRAD_REQ:
                 context = autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], int(message.sender))
             function = resolve_function(payload["f"])
+            if releases is not None and not isinstance(function, autograd_forward.BUILTIN_TYPES):
+                self._release_riding(message.sender, releases)
+                released = True
             previous = self.autograd.set_current(context)
             try:
                 result = function(*payload["a"], **payload["k"])
@@ -607,13 +632,14 @@ class Agent:
                 check_async_result(function, result)
                 # Answer when the future completes; no thread waits for it meanwhile.
                 result.add_done_callback(lambda done: self._answer_with(message, done, context))
-                return
+                return released
         except Exception as exc:
             if function is not None:
                 exc = as_operator_error(function, exc)
             self._reply(message, None, exc, context)
-            return
+            return released
         self._reply(message, result, None, context)
+        return released
 
     def _answer_with(self, request: Message, done: torch.futures.Future, context: Any) -> None:
         try:
@@ -661,6 +687,10 @@ class Agent:
             self.pool.hold(self._send_answer, to, reply.id, frames, reply.type)
         else:
             self._send_answer(to, reply.id, frames, reply.type)
+        if context is not None and not self.pool.has_work() and self.pool.owns_current_thread():
+            # While the caller computes (engine.py); not on other threads (an async
+            # function's answer may be sent from a timer's or another call's callback).
+            autograd_engine.prepare_plan(context)
 
     def _send_answer(self, to: str, message_id: int, frames: list, message_type: MessageType) -> None:
         try:

@@ -109,6 +109,10 @@ class ElasticPool:
             if self._reader is not threading.current_thread():  # the reader takes what it received
                 self._dispatch_locked(time.monotonic(), grow_past_size=False)
 
+    def has_work(self) -> bool:
+        """Whether work waits for a thread (a hint: it may change at once)."""
+        return bool(self._work)
+
     def should_hold(self) -> bool:
         """Whether the calling thread had better hold what it is about to send (:meth:`hold`):
         it is one of ours, and work waits that it will take next or it holds something already
