@@ -87,6 +87,29 @@ def has_context(context_id: int) -> bool:
     return dist_autograd._is_valid_context(context_id)
 
 
+def context_gone_within(context_id: int, timeout: float) -> bool:
+    """Whether the context is released here within ``timeout`` seconds (it may be released
+    by the thread that answered the call before this one, just after that answer left)."""
+    container = rpc.api._current().autograd
+    return container.wait_released({context_id}, timeout)
+
+
+def plan_built_within(context_id: int, timeout: float) -> bool:
+    """Whether the context's next pass here has its plan within ``timeout`` seconds, before any
+    backward pass asked for it (engine.prepare_plan)."""
+    import time
+
+    container = rpc.api._current().autograd
+    deadline = time.monotonic() + timeout
+    while True:
+        context = container.get(context_id)
+        if context is not None and context.plan_cache is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)  # polls a field nothing signals; bounded by the timeout
+
+
 def forward_to(worker: str, x: torch.Tensor) -> torch.Tensor:
     """A nested call: this worker learns of the context and passes x on to ``worker``."""
     return rpc.rpc_sync(worker, torch.mul, args=(x, 2))

@@ -193,6 +193,35 @@ def test_context_releases_ride_on_the_next_call_and_pass_on_to_nested_workers(gr
             rpc.rpc_sync(worker, af.set_cleanup_delay, args=(delay,))
 
 
+def test_releases_riding_on_a_builtin_call_apply_after_its_answer(group):
+    # A builtin cannot wait for a release, so the releases riding on its call apply after its
+    # answer left (agent._run_call): they must still apply, with no batch timer to send them.
+    previous = rpc.rpc_sync("worker1", af.set_cleanup_delay, args=(3600.0,))
+    try:
+        x = torch.ones(3, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            rpc.rpc_sync("worker1", torch.mul, args=(x, 3))
+        # The release rides on this builtin call.
+        assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(x.detach(), 1)), x.detach() + 1)
+        assert rpc.rpc_sync("worker1", af.context_gone_within, args=(context_id, 10.0)) is True
+    finally:
+        rpc.rpc_sync("worker1", af.set_cleanup_delay, args=(previous,))
+
+
+def test_a_worker_that_answered_a_recorded_call_has_its_plan_before_the_pass(group):
+    x = torch.ones(3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync("worker1", af.scale, args=(x, 2.0, "ahead"))
+        assert rpc.rpc_sync("worker1", af.plan_built_within, args=(context_id, 10.0)) is True
+        # A second call adds a send function there: the plan built ahead no longer fits.
+        z = rpc.rpc_sync("worker1", af.scale, args=(x, 5.0, "ahead2"))
+        dist_autograd.backward(context_id, [(y * z).sum()])
+        local = x.detach().clone().requires_grad_()
+        ((local * 2.0).sin() * (local * 5.0).sin()).sum().backward()
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], local.grad)
+    af.take_counts()
+    assert _counts_everywhere(["worker1"]) == {"ahead": 1, "ahead2": 1}
+
 
 def test_backward_started_inside_rpc_calls_by_every_pool_thread(group):
     """Every pool thread of worker1 runs a backward pass it started itself inside an RPC call
