@@ -440,3 +440,49 @@ def _disjoint(roots) -> bool:
     plan.root_keys, plan.roots = list(roots), roots
     plan.root_bits = {key: 1 << i for i, key in enumerate(plan.root_keys)}
     return plan._disjoint_groups() is not None
+
+
+def test_a_send_function_into_leaves_hands_its_gradients_on_without_the_engine(group, monkeypatch):
+    """The caller's send function over a leaf sent twice in one call: the leaf gets the sum,
+    through its tensor hook once, as local autograd gives it, and PyTorch's engine runs only
+    for the loss's group (engine._pass_through)."""
+    from zmqautograd.autograd import engine
+
+    engine_calls = []
+    real_grad = engine._grad
+    monkeypatch.setattr(engine, "_grad", lambda *args: (engine_calls.append(1), real_grad(*args))[1])
+    hooked = []
+
+    def triple(grad):
+        hooked.append(grad.clone())
+        return grad * 3
+
+    x = torch.randn(3, requires_grad=True)
+    x.register_hook(triple)
+    local = x.detach().clone().requires_grad_(True)
+    local.register_hook(lambda grad: grad * 3)
+    (local * local).sum().backward()
+    with dist_autograd.context() as context_id:
+        y = rpc.rpc_sync("worker1", torch.mul, args=(x, x))
+        dist_autograd.backward(context_id, [y.sum()])
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], local.grad)
+    assert len(hooked) == 1 and torch.allclose(hooked[0], 2 * x.detach())
+    assert len(engine_calls) == 1
+
+
+def test_a_send_functions_gradient_the_engine_would_convert_goes_through_the_engine():
+    from zmqautograd.autograd import engine, functions
+
+    leaf = torch.randn(3, requires_grad=True)
+    send = functions.make_send_node([leaf * 1, leaf])  # slot 0: not a leaf's edge
+    plan = engine.Plan({7: [(send, 0), (send, 1)]})
+    assert all(g.pass_through is None for g in plan.groups)  # a group with more than the send function
+    send = functions.make_send_node([leaf, leaf])
+    (group,) = engine.Plan({7: [(send, 0), (send, 1)]}).groups
+    assert group.pass_through == (0, 0)
+    (summed,) = engine._pass_through(group, {(send, 0): torch.ones(3), (send, 1): torch.ones(3)})
+    assert torch.equal(summed, torch.full((3,), 2.0))
+    for odd in (torch.ones(3, dtype=torch.float64), torch.ones(1), torch.ones(3).to_sparse()):
+        assert engine._pass_through(group, {(send, 0): odd}) == ()
+    with torch.autograd.profiler.profile():  # the profiler shows the node: the engine runs it
+        assert engine._pass_through(group, {(send, 0): torch.ones(3)}) == ()

@@ -54,7 +54,7 @@ from .. import timers
 from ..rpc.errors import RpcError
 from .context import DistAutogradContext, add_gradients
 from .functions import (
-    _ACCUMULATE_GRAD_TYPE, RECV_NODE_TYPE, RecvInfo, call_tensor_hooks, is_leaf_node, is_recv_node, make_suppressible, post_hooks_of, profiled, recv_info,
+    _ACCUMULATE_GRAD_TYPE, RECV_NODE_TYPE, SEND_NODE_TYPE, RecvInfo, profiling, call_tensor_hooks, is_leaf_node, is_recv_node, make_suppressible, post_hooks_of, profiled, recv_info,
     run_tensor_hooks, suppressing, tensor_hooks_of,
 )
 
@@ -72,7 +72,7 @@ Edge = tuple  # (node, input slot)
 
 class _Group:
     __slots__ = ("index", "mask", "nodes", "captures", "capture_edges", "capture_leaves", "feeders", "feeds",
-                 "recv_targets", "stepwise")
+                 "recv_targets", "stepwise", "pass_through")
 
     def __init__(self, index: int, mask: int) -> None:
         self.index = index
@@ -85,6 +85,9 @@ class _Group:
         self.feeds: list = []  # indices of the groups it has edges into
         self.recv_targets: list = []  # recv functions among its exits
         self.stepwise = False  # its exits chain: run node by node (see the module docstring)
+        # A send function alone, into leaves only: for each of its slots, the index of the
+        # capture it gives its gradient to (None: no edge), or None (see _pass_through).
+        self.pass_through: tuple | None = None
 
 
 class _Exit:
@@ -221,6 +224,12 @@ class Plan:
                     recv_targets.append(node)
             group.capture_edges = tuple(capture_edges)
             group.capture_leaves = tuple(capture_leaves)
+            if len(group.nodes) == 1 and type(group.nodes[0]) is SEND_NODE_TYPE and all(capture_leaves) \
+                    and not group.stepwise:
+                where = {edge: index for index, edge in enumerate(group.captures)}
+                group.pass_through = tuple(
+                    None if target is None else where[(target, slot)] for target, slot in group.nodes[0].next_functions
+                )
         # Leaves that several groups feed: their tensor hooks must not run in each group's
         # call (see Pass._held_leaves).
         self.shared_leaves = [node for node in leaves if len(exits[node].feeders) > 1]
@@ -543,13 +552,16 @@ class Pass:
         results: tuple = ()
         if buffer and group.captures:
             with suppressing(self._suppressed) if self._suppressed else _NO_SUPPRESSION:
-                if group.stepwise:
-                    results = _run_stepwise(group, buffer)
-                else:
-                    results = _grad(
-                        tuple(GradientEdge(node, slot) for node, slot in buffer), tuple(buffer.values()),
-                        group.capture_edges, self.retain_graph,
-                    )
+                if group.pass_through is not None:
+                    results = _pass_through(group, buffer)
+                if not results:
+                    if group.stepwise:
+                        results = _run_stepwise(group, buffer)
+                    else:
+                        results = _grad(
+                            tuple(GradientEdge(node, slot) for node, slot in buffer), tuple(buffer.values()),
+                            group.capture_edges, self.retain_graph,
+                        )
         del buffer
         aliased = _aliased(results)
         fire = []
@@ -764,6 +776,41 @@ def _run_stepwise(group: _Group, entries: dict) -> tuple:
         if leaf and edge in captured and (hooks := tensor_hooks_of(edge[0])) is not None:
             captured[edge] = call_tensor_hooks(hooks.values(), captured[edge])
     return tuple(captured.get(edge) for edge in group.captures)
+
+
+def _pass_through(group: _Group, entries: dict) -> tuple:
+    """A group that is a send function alone, feeding leaves only (a parameter or input sent
+    to another worker, the usual case on the worker that called backward): its backward is
+    the identity, so the gradients it was given go to its leaves as they are, without a
+    call into PyTorch's engine (one per pass: ~10 us, more than the rest of the group).
+    Each leaf gets what the engine would capture there: the sum over the slots that lead to
+    it, through the leaf's tensor hooks. ``()`` when a gradient is not exactly what the
+    engine would pass on as it is (another shape, dtype, device or layout: the engine
+    converts or rejects it), or the profiler records (it shows the node): then the engine
+    runs the group."""
+    if profiling():
+        return ()
+    node = group.nodes[0]
+    sums: list = [None] * len(group.captures)
+    for (entry_node, slot), grad in entries.items():
+        if entry_node is not node or grad is None:
+            continue
+        index = group.pass_through[slot] if slot < len(group.pass_through) else None
+        if index is None:
+            continue
+        variable = group.captures[index][0].variable
+        if grad.layout is not _STRIDED or grad.shape != variable.shape or grad.dtype != variable.dtype \
+                or grad.device != variable.device:
+            return ()
+        old = sums[index]
+        sums[index] = grad if old is None else old + grad
+    for index, grad in enumerate(sums):
+        if grad is not None and (hooks := tensor_hooks_of(group.captures[index][0])) is not None:
+            sums[index] = call_tensor_hooks(hooks.values(), grad)
+    return tuple(sums)
+
+
+_STRIDED = torch.strided
 
 
 def _aliased(results: tuple) -> set[int]:

@@ -79,11 +79,16 @@ RECV_NODE_TYPE = RecvRpc._backward_cls
 _profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
 
 
+def profiling() -> bool:
+    """Whether the profiler records on this thread (True when that cannot be told)."""
+    return _profiler_enabled is None or _profiler_enabled()
+
+
 def profiled(name: str) -> Any:
     """``record_function(name)`` while the profiler records on this thread, else nothing: the
     context manager costs ~10 us even with the profiler off (measured), and a backward pass
     uses a few."""
-    if _profiler_enabled is None or _profiler_enabled():
+    if profiling():
         return torch.autograd.profiler.record_function(name)
     return contextlib.nullcontext()
 
