@@ -125,7 +125,10 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         run = _start_pass(agent, autograd_context, container.new_message_id(), bool(retain_graph), edges)
         run.deliver(LOCAL_ROOT, [torch.ones_like(root, memory_format=torch.preserve_format) for root in roots])
         run.watch_idle()
-        with agent.pool.blocking():  # a UDF calling backward must not hold up the pool
+        if agent.pool.owns_current_thread():
+            with agent.pool.blocking():  # a UDF calling backward must not hold up the pool
+                run.run_at_home()
+        else:
             run.run_at_home()
         run.done.wait()
 

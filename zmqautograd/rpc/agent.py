@@ -630,15 +630,19 @@ class Agent:
                 self.autograd.set_current(previous)
             if is_async_function(function):
                 check_async_result(function, result)
-                # Answer when the future completes; no thread waits for it meanwhile.
-                result.add_done_callback(lambda done: self._answer_with(message, done, context))
-                return released
+                if not result.done():
+                    # Answer when it completes; no thread waits for it meanwhile.
+                    result.add_done_callback(lambda done: self._answer_with(message, done, context))
+                    return released
         except Exception as exc:
             if function is not None:
                 exc = as_operator_error(function, exc)
             self._reply(message, None, exc, context)
             return released
-        self._reply(message, result, None, context)
+        if is_async_function(function):  # and done already (a backward pass that ran to its end here)
+            self._answer_with(message, result, context)
+        else:
+            self._reply(message, result, None, context)
         return released
 
     def _answer_with(self, request: Message, done: torch.futures.Future, context: Any) -> None:
