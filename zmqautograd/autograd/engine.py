@@ -224,8 +224,8 @@ class Plan:
                     recv_targets.append(node)
             group.capture_edges = tuple(capture_edges)
             group.capture_leaves = tuple(capture_leaves)
-            if len(group.nodes) == 1 and type(group.nodes[0]) is SEND_NODE_TYPE and all(capture_leaves) \
-                    and not group.stepwise:
+            if len(group.nodes) == 1 and type(group.nodes[0]) is SEND_NODE_TYPE and not group.stepwise \
+                    and all(leaf or type(node) is RECV_NODE_TYPE for (node, _), leaf in zip(group.captures, capture_leaves)):
                 where = {edge: index for index, edge in enumerate(group.captures)}
                 group.pass_through = tuple(
                     None if target is None else where[(target, slot)] for target, slot in group.nodes[0].next_functions
@@ -779,34 +779,49 @@ def _run_stepwise(group: _Group, entries: dict) -> tuple:
 
 
 def _pass_through(group: _Group, entries: dict) -> tuple:
-    """A group that is a send function alone, feeding leaves only (a parameter or input sent
-    to another worker, the usual case on the worker that called backward): its backward is
-    the identity, so the gradients it was given go to its leaves as they are, without a
-    call into PyTorch's engine (one per pass: ~10 us, more than the rest of the group).
-    Each leaf gets what the engine would capture there: the sum over the slots that lead to
-    it, through the leaf's tensor hooks. ``()`` when a gradient is not exactly what the
-    engine would pass on as it is (another shape, dtype, device or layout: the engine
-    converts or rejects it), or the profiler records (it shows the node): then the engine
-    runs the group."""
+    """A group that is a send function alone, feeding only leaves and recv functions (a
+    parameter sent to another worker; in a pipeline that the caller drives, an answer passed
+    on to the next stage): its backward is the identity, so the gradients it was given go
+    on as they are, without a call into PyTorch's engine (one per group and pass: ~10 us in
+    situ, more than the rest of the group). Each exit gets what the engine would capture
+    there: the sum over the slots that lead to it, a leaf's through its tensor hooks. ``()``
+    when that could differ: a gradient the engine would convert or reject (another shape,
+    dtype, device or layout than the tensor's), a received tensor with hooks or
+    ``retain_grad`` (they run where the engine captures its gradient) or gone (they could
+    remain), or the profiler recording (it shows the node). The engine then runs the group."""
     if profiling():
         return ()
     node = group.nodes[0]
-    sums: list = [None] * len(group.captures)
+    captures = group.captures
+    sums: list = [None] * len(captures)
     for (entry_node, slot), grad in entries.items():
         if entry_node is not node or grad is None:
             continue
         index = group.pass_through[slot] if slot < len(group.pass_through) else None
         if index is None:
             continue
-        variable = group.captures[index][0].variable
-        if grad.layout is not _STRIDED or grad.shape != variable.shape or grad.dtype != variable.dtype \
-                or grad.device != variable.device:
+        target, target_slot = captures[index]
+        if group.capture_leaves[index]:
+            variable = target.variable
+            shape, dtype, device = variable.shape, variable.dtype, variable.device
+        else:
+            shape, dtype, device, _ = target.recv_info.metadata[target_slot]
+        if grad.layout is not _STRIDED or grad.shape != shape or grad.dtype != dtype or grad.device != device:
             return ()
         old = sums[index]
         sums[index] = grad if old is None else old + grad
     for index, grad in enumerate(sums):
-        if grad is not None and (hooks := tensor_hooks_of(group.captures[index][0])) is not None:
-            sums[index] = call_tensor_hooks(hooks.values(), grad)
+        if grad is None:
+            continue
+        target, target_slot = captures[index]
+        if group.capture_leaves[index]:
+            if (hooks := tensor_hooks_of(target)) is not None:
+                sums[index] = call_tensor_hooks(hooks.values(), grad)
+            continue
+        received = target.recv_info.received
+        tensor = received[target_slot]() if target_slot < len(received) else None
+        if tensor is None or tensor._backward_hooks or tensor.retains_grad:
+            return ()
     return tuple(sums)
 
 

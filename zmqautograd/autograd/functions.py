@@ -33,6 +33,10 @@ class RecvInfo(NamedTuple):
     # Whether the tensors came in a response (else a request): gradients go back the way
     # their tensors came, so this picks the device map they follow (rpc/devices.py).
     in_response: bool = False
+    # Weak references to the received tensors, filled once the node is attached: whether
+    # they have hooks, which PyTorch's engine would run where it captures their gradient
+    # (engine._pass_through). Empty when not known.
+    received: list = []
 
 
 class SendRpc(torch.autograd.Function):
@@ -246,12 +250,17 @@ def attach_recv_node(
         with torch.enable_grad():
             return attach_recv_node(tensors, context_id, message_id, from_worker, in_response)
     metadata = tuple([(t.shape, t.dtype, t.device, t.layout) for t in tensors])
-    info = RecvInfo(context_id, message_id, from_worker, metadata, in_response)
+    received: list = []
+    info = RecvInfo(context_id, message_id, from_worker, metadata, in_response, received)
     plain = [t.detach() for t in tensors]
     outputs = RecvRpc.apply(_ANCHOR, info, *plain) if _functorch_active() else _recv_apply(_ANCHOR, info, *plain)
-    for received, output in zip(tensors, outputs):
-        _swap(received, output)
+    for tensor, output in zip(tensors, outputs):
+        _swap(tensor, output)
+    received.extend([_weak(t) for t in tensors])  # after the swap: its fast way needs no weak references
     return tensors[0].grad_fn
+
+
+_weak = weakref.ref
 
 
 _swap_impl = getattr(torch._C, "_swap_tensor_impl", None)
