@@ -81,7 +81,10 @@ _BELL_BYTE = b"\0"
 _BELL_PREFIX = "zmqautograd-bell-"
 _ZEROS = bytes(8)
 _SHARE_MAX = 1 << 18  # chunks bigger than this are not kept alive by small messages' frames
-_JOIN_MAX = 4096  # frames this big are copied into the ring on their own, not joined first
+# Frames this big are copied into the ring on their own, not joined first. Below it, joining
+# (one more copy) costs less than a ring write of its own (measured, micro: a message with an
+# 8 KiB tensor 3.6 -> 2.3 us, 64 KiB 3.9 -> 3.1 us; 128 KiB breaks even, 256 KiB loses).
+_JOIN_MAX = 1 << 16
 _HEADERS = [struct.Struct(f"<II{count}Q") for count in range(9)]  # message headers by frame count
 _LENGTHS = [struct.Struct(f"<{count}Q") for count in range(9)]  # their frame lengths
 _U32 = struct.Struct("<I")
