@@ -259,7 +259,8 @@ class Ring(_Shared):
     # ------------------------------------------------------------------ the reader's side
 
     def has_data(self) -> bool:
-        return self._load(_TAIL) != self._load(_HEAD)
+        buffer = self._buffer
+        return _U64.unpack_from(buffer, _TAIL)[0] != _U64.unpack_from(buffer, _HEAD)[0]
 
     def read(self, limit: int) -> bytearray | None:
         """Up to ``limit`` published bytes (writable, so tensors can be decoded in place), or
