@@ -976,8 +976,19 @@ class Endpoint:
                 stats.buffers_lent += len(lent)
                 copy = True
         if record.ring_out is not None:  # a peer on this host (transport/shm.py)
-            record.unwritten.extend(shm.encode(frames))
-            self._write_ring(record)
+            pieces = shm.encode(frames)
+            if not record.unwritten and len(pieces) == 1:
+                # The usual small message, nothing queued before it: straight into the ring.
+                piece = pieces[0]
+                written = record.ring_out.write(piece)
+                if written == len(piece):
+                    self._ring_written(record)
+                else:
+                    record.unwritten.append(piece[written:])
+                    self._write_ring(record, wrote=written > 0)
+            else:
+                record.unwritten.extend(pieces)
+                self._write_ring(record)
         else:
             try:
                 # Zero-copy frames cost more to set up than small copies: only big messages use
@@ -1337,12 +1348,12 @@ class Endpoint:
                 return
         self._bell.ring()  # more is waiting: for the next turn (ours or another thread's)
 
-    def _write_ring(self, record: _Peer) -> None:
+    def _write_ring(self, record: _Peer, wrote: bool = False) -> None:
         """Write what waits for the peer's ring, as far as there is room (socket lock held);
         what has no room waits for the peer's doorbell call (or our next tick). Ring the peer
-        unless it spins."""
+        unless it spins (also when ``wrote``: the caller wrote part of a message already)."""
         ring, unwritten = record.ring_out, record.unwritten
-        wrote = asked = False
+        asked = False
         while unwritten:
             piece = unwritten[0]
             written = ring.write(piece)
@@ -1367,11 +1378,17 @@ class Endpoint:
             if asked:
                 ring.set_writer_waiting(False)
         if wrote:
-            flags = record.peer_flags
-            flags.mark_pending()
-            shm.fence()  # our new tail and mark before the look at the reader's flag
-            if record.bell is not None and not flags.spinning():
-                shm.ring_bell(record.bell)
+            self._ring_written(record)
+
+    @staticmethod
+    def _ring_written(record: _Peer) -> None:
+        """We published data in the peer's ring: mark it pending, and ring the peer's
+        doorbell unless a thread of the peer spins."""
+        flags = record.peer_flags
+        flags.mark_pending()
+        shm.fence()  # our new tail and mark before the look at the reader's flag
+        if record.bell is not None and not flags.spinning():
+            shm.ring_bell(record.bell)
 
     def _flush_unwritten(self) -> None:
         for name in tuple(self._unwritten):

@@ -77,6 +77,8 @@ _DATA = 256  # a ring's data bytes start here (after the header's cache lines)
 _MAGIC = b"zmqautograd-ring\0"  # at _DATA - 32: memory that is not one of our rings is refused
 _FLAGS_MAGIC = b"zmqautograd-flags\0"
 _U64 = struct.Struct("<Q")
+_unpack_u64 = _U64.unpack_from
+_pack_u64 = _U64.pack_into
 _BELL_BYTE = b"\0"
 _BELL_PREFIX = "zmqautograd-bell-"
 _ZEROS = bytes(8)
@@ -155,15 +157,16 @@ class _Shared:
         self._map.close()
 
     def _load(self, offset: int) -> int:
-        return _U64.unpack_from(self._buffer, offset)[0]
+        return _unpack_u64(self._buffer, offset)[0]
 
     def _store(self, offset: int, value: int) -> None:
-        _U64.pack_into(self._buffer, offset, value)
+        _pack_u64(self._buffer, offset, value)
 
     def _take(self, offset: int) -> bool:
         """Whether the flag at ``offset`` is set; clears it (only its one reader does)."""
-        if self._load(offset):
-            self._store(offset, 0)
+        buffer = self._buffer
+        if _unpack_u64(buffer, offset)[0]:
+            _pack_u64(buffer, offset, 0)
             return True
         return False
 
@@ -188,19 +191,21 @@ class Flags(_Shared):
     def open(cls, pid: int, fd: int) -> "Flags":
         return cls(_map_peer_memfd(pid, fd, cls.SIZE, _FLAGS_MAGIC, "a flags page"), None)
 
+    # (Each a single access to the page: these run on every message and every look.)
+
     def set_spinning(self, spinning: bool) -> None:
-        self._store(self._SPINNING, int(spinning))
+        _pack_u64(self._buffer, 0, int(spinning))
 
     def spinning(self) -> bool:
         """(A writer's look, after :func:`fence`.)"""
-        return self._load(self._SPINNING) != 0
+        return _unpack_u64(self._buffer, 0)[0] != 0
 
     def mark_pending(self) -> None:
         """(A writer, after it published data.)"""
-        self._store(self._PENDING, 1)
+        _pack_u64(self._buffer, 64, 1)
 
     def pending(self) -> bool:
-        return self._load(self._PENDING) != 0
+        return _unpack_u64(self._buffer, 64)[0] != 0
 
     def take_pending(self) -> bool:
         """Whether data was published since the last take; clears the flag. The caller must
@@ -217,6 +222,10 @@ class Ring(_Shared):
         super().__init__(mapping, fd)
         self.capacity = capacity
         self._data = self._buffer[_DATA:_DATA + capacity]
+        # Each side's own position, kept here too: only the writer stores the tail and only
+        # the reader the head, so each reads only the other's from shared memory.
+        self._tail = self._load(_TAIL)  # (the writer's)
+        self._head = self._load(_HEAD)  # (the reader's)
 
     @classmethod
     def create(cls, capacity: int) -> "Ring":
@@ -241,16 +250,18 @@ class Ring(_Shared):
         """Append as much of ``data`` (a byte memoryview) as there is room for and publish it;
         the number of bytes taken."""
         capacity = self.capacity
-        tail = self._load(_TAIL)
-        size = min(len(data), capacity - (tail - self._load(_HEAD)))
+        tail = self._tail
+        length = len(data)
+        size = min(length, capacity - (tail - _unpack_u64(self._buffer, _HEAD)[0]))
         if size <= 0:
             return 0
         at = tail % capacity
         first = min(size, capacity - at)
-        self._data[at:at + first] = data[:first]
+        self._data[at:at + first] = data if first == length else data[:first]
         if size > first:  # wrapped around
             self._data[:size - first] = data[first:size]
-        self._store(_TAIL, tail + size)  # after the data: publishes it
+        self._tail = tail = tail + size
+        _pack_u64(self._buffer, _TAIL, tail)  # after the data: publishes it
         return size
 
     def set_writer_waiting(self, waiting: bool) -> None:
@@ -259,14 +270,13 @@ class Ring(_Shared):
     # ------------------------------------------------------------------ the reader's side
 
     def has_data(self) -> bool:
-        buffer = self._buffer
-        return _U64.unpack_from(buffer, _TAIL)[0] != _U64.unpack_from(buffer, _HEAD)[0]
+        return _unpack_u64(self._buffer, _TAIL)[0] != self._head
 
     def read(self, limit: int) -> bytearray | None:
         """Up to ``limit`` published bytes (writable, so tensors can be decoded in place), or
         None when there are none."""
-        head = self._load(_HEAD)
-        size = min(self._load(_TAIL) - head, limit)
+        head = self._head
+        size = min(_unpack_u64(self._buffer, _TAIL)[0] - head, limit)
         if size <= 0:
             return None
         capacity = self.capacity
@@ -275,7 +285,8 @@ class Ring(_Shared):
         chunk = bytearray(self._data[at:at + first])
         if size > first:
             chunk += self._data[:size - first]
-        self._store(_HEAD, head + size)  # after the copy: the writer may now reuse the bytes
+        self._head = head = head + size
+        _pack_u64(self._buffer, _HEAD, head)  # after the copy: the writer may now reuse the bytes
         return chunk
 
     def take_writer_waiting(self) -> bool:
