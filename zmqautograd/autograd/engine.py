@@ -85,8 +85,9 @@ class _Group:
         self.feeds: list = []  # indices of the groups it has edges into
         self.recv_targets: list = []  # recv functions among its exits
         self.stepwise = False  # its exits chain: run node by node (see the module docstring)
-        # A send function alone, into leaves only: for each of its slots, the index of the
-        # capture it gives its gradient to (None: no edge), or None (see _pass_through).
+        # A send function alone, into leaves and recv functions only: for each of its slots,
+        # the index of the capture it gives its gradient to (None: no edge); else None (see
+        # _pass_through).
         self.pass_through: tuple | None = None
 
 
@@ -786,7 +787,7 @@ def _pass_through(group: _Group, entries: dict) -> tuple:
     situ, more than the rest of the group). Each exit gets what the engine would capture
     there: the sum over the slots that lead to it, a leaf's through its tensor hooks. ``()``
     when that could differ: a gradient the engine would convert or reject (another shape,
-    dtype, device or layout than the tensor's), a received tensor with hooks or
+    dtype, device or layout than the tensor's), a CUDA gradient, a received tensor with hooks or
     ``retain_grad`` (they run where the engine captures its gradient) or gone (they could
     remain), or the profiler recording (it shows the node). The engine then runs the group."""
     if profiling():
@@ -806,7 +807,8 @@ def _pass_through(group: _Group, entries: dict) -> tuple:
             shape, dtype, device = variable.shape, variable.dtype, variable.device
         else:
             shape, dtype, device, _ = target.recv_info.metadata[target_slot]
-        if grad.layout is not _STRIDED or grad.shape != shape or grad.dtype != dtype or grad.device != device:
+        if grad.layout is not _STRIDED or grad.shape != shape or grad.dtype != dtype or grad.device != device \
+                or not grad.is_cpu:  # (CUDA gradients: the engine orders them with their streams)
             return ()
         old = sums[index]
         sums[index] = grad if old is None else old + grad
