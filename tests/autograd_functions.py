@@ -110,6 +110,30 @@ def plan_built_within(context_id: int, timeout: float) -> bool:
         time.sleep(0.001)  # polls a field nothing signals; bounded by the timeout
 
 
+_real_record_send = None
+
+
+def delay_answer_recording(seconds: float) -> None:
+    """Make this worker record the send functions of its answers ``seconds`` late (an injected
+    delay: the agent records them while the answer travels); 0 restores it."""
+    import time
+
+    from zmqautograd.autograd import forward
+
+    global _real_record_send
+    if _real_record_send is None:
+        _real_record_send = forward.record_send
+    if seconds <= 0:
+        forward.record_send = _real_record_send
+        return
+
+    def late(*args, **kwargs):
+        time.sleep(seconds)  # the fault itself, not a wait for something
+        return _real_record_send(*args, **kwargs)
+
+    forward.record_send = late
+
+
 def forward_to(worker: str, x: torch.Tensor) -> torch.Tensor:
     """A nested call: this worker learns of the context and passes x on to ``worker``."""
     return rpc.rpc_sync(worker, torch.mul, args=(x, 2))

@@ -516,3 +516,53 @@ def test_a_send_function_into_a_recv_function_hands_on_its_gradient_unless_hooks
         torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], torch.full((3,), 6.0 * factor))
     # The loss's group always runs in the engine; x's send function never needs it.
     assert len(engine_calls) == (1 if received_tensor == "plain" else 2)
+
+
+def test_a_gradient_request_that_overtakes_its_send_functions_recording_waits_for_it(group):
+    """worker1 records the send function of its answer half a second after the answer left:
+    the caller's backward pass reaches worker1 before that, and its pass there must wait
+    for the send function instead of failing without it."""
+    rpc.rpc_sync("worker1", af.delay_answer_recording, args=(0.5,))
+    try:
+        x = torch.randn(3, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))
+            dist_autograd.backward(context_id, [y.sum()])
+            torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], torch.full((3,), 2.0))
+    finally:
+        rpc.rpc_sync("worker1", af.delay_answer_recording, args=(0.0,))
+
+
+def test_a_send_function_still_being_recorded_is_waited_for():
+    """An answer leaves before its send function is recorded (agent._reply records it while
+    the answer travels): a pass that asks for the send functions meanwhile must wait for it,
+    not start without it (in-process, the two sides on two threads)."""
+    import threading
+
+    from zmqautograd.autograd import functions
+    from zmqautograd.autograd.context import DistAutogradContext
+
+    context = DistAutogradContext(1)
+    context.expect_send(7)
+    seen: dict = {}
+    asked = [
+        threading.Thread(target=lambda: seen.update(all=context._send_functions())),
+        threading.Thread(target=lambda: seen.update(one=context.send_function(7))),
+    ]
+    for thread in asked:
+        thread.start()
+    for thread in asked:
+        thread.join(0.2)  # (they must still wait: nothing may come back yet)
+        assert thread.is_alive()
+    node = functions.make_send_node([torch.ones(2, requires_grad=True)])
+    context.add_send_function(7, node)
+    context.send_recorded(7)
+    for thread in asked:
+        thread.join(5)  # woken by the recording (their own bound is 10 s)
+        assert not thread.is_alive()
+    assert seen == {"all": {7: node}, "one": node}
+    # An answer whose recording failed: the waiters are let go, and get the usual error.
+    context.expect_send(8)
+    context.send_recorded(8)
+    with pytest.raises(RuntimeError, match="Could not find send function for autograd message id: 8"):
+        context.send_function(8)

@@ -22,6 +22,7 @@ from .cleanup import CleanupBatcher
 
 MAX_AUTO_INCREMENT = (1 << 48) - 1
 MAX_TOMBSTONES = 100_000  # released context ids remembered (8 bytes or so each)
+_EXPECTED_SEND_WAIT = 10.0  # seconds a pass waits for a send function still being recorded
 
 
 class DistAutogradContext:
@@ -32,6 +33,11 @@ class DistAutogradContext:
         self._lock = threading.Lock()
         self._known_workers: set[int] = set()
         self._sends: dict[int, Any] = {}  # autograd message id -> SendRpcBackward node
+        # Send functions of answers that left before they were recorded (expect_send); who
+        # needs the send functions waits for them (made on first use: most contexts never
+        # have a waiter).
+        self._expected: set[int] = set()
+        self._recorded: threading.Condition | None = None
         self._recvs: dict[int, Any] = {}  # autograd message id -> RecvRpcBackward node
         self._grads: dict[torch.Tensor, torch.Tensor] = {}
         self.released = False
@@ -50,6 +56,8 @@ class DistAutogradContext:
 
     def _send_functions(self) -> dict[int, Any]:
         with self._lock:
+            if self._expected:
+                self._wait_recorded_locked(lambda: not self._expected)
             return dict(self._sends)
 
     def _recv_functions(self) -> dict[int, Any]:
@@ -76,6 +84,28 @@ class DistAutogradContext:
             self._sends[message_id] = node
             self.plan_cache = None
 
+    def expect_send(self, message_id: int) -> None:
+        """The answer with autograd message id ``message_id`` leaves before its send function
+        is recorded (the RPC agent records it while the answer travels): until
+        ``send_recorded(message_id)``, whoever needs the send functions waits for it."""
+        with self._lock:
+            self._expected.add(message_id)
+
+    def send_recorded(self, message_id: int) -> None:
+        """The send function of ``message_id`` is recorded, or will never be."""
+        with self._lock:
+            self._expected.discard(message_id)
+            if self._recorded is not None:
+                self._recorded.notify_all()
+
+    def _wait_recorded_locked(self, ready: Any) -> None:
+        # Bounded: the recording follows the send on the same thread within microseconds; a
+        # thread that never records (it died) must not hang a pass, which then reports the
+        # send function it does not find.
+        if self._recorded is None:
+            self._recorded = threading.Condition(self._lock)
+        self._recorded.wait_for(ready, _EXPECTED_SEND_WAIT)
+
     def add_recv_function(self, message_id: int, node: Any) -> None:
         with self._lock:
             if message_id in self._recvs:
@@ -84,6 +114,8 @@ class DistAutogradContext:
 
     def send_function(self, message_id: int) -> Any:
         with self._lock:
+            if message_id in self._expected:
+                self._wait_recorded_locked(lambda: message_id not in self._expected)
             node = self._sends.get(message_id)
         if node is None:
             raise RpcError(f"Could not find send function for autograd message id: {message_id}")

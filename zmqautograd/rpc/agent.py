@@ -674,27 +674,45 @@ class Agent:
             tensors = [] if context is not None else None  # only recording needs them
             caller = self.workers_by_id.get(int(to)) if to.isdigit() else None
             frames = self.codec.encode(reply, tensors, self.placement.response(caller.name if caller else to))
-            if context is not None:
-                autograd_forward.record_send(self.autograd, reply.payload["ag"], tensors, int(to))
-            del tensors
         except (LocalProtocolError, SerializationError, DeviceMapError) as exc:
             # The result itself cannot travel (or has no device map back): the caller gets
             # that as its error.
             self._reply(request, None, SerializationError(f"the result of the call could not be sent back: {exc}"), None)
             return
         if to == me:
+            # Completing it here may run the caller's callbacks, on this thread: record first.
+            if context is not None:
+                autograd_forward.record_send(self.autograd, metadata, tensors, int(to))
             self._complete(self._loopback(frames))
-        elif self.pool.should_hold() and not self.endpoint.through_shared_memory(to):
-            # More calls wait for this thread: the answer leaves with theirs (pool.py, "Held
-            # work"). Not to a caller on a shared-memory ring: a send there costs no wake-up
-            # of libzmq's thread, so holding would only delay the answer.
-            self.pool.hold(self._send_answer, to, reply.id, frames, reply.type)
-        else:
-            self._send_answer(to, reply.id, frames, reply.type)
+            return
+        if context is not None:
+            # Its send function is recorded while the answer travels (it costs the answer no
+            # latency); a pass that needs it meanwhile waits for it (context.expect_send).
+            context.expect_send(metadata[1])
+        try:
+            if self.pool.should_hold() and not self.endpoint.through_shared_memory(to):
+                # More calls wait for this thread: the answer leaves with theirs (pool.py,
+                # "Held work"). Not to a caller on a shared-memory ring: a send there costs no
+                # wake-up of libzmq's thread, so holding would only delay the answer.
+                self.pool.hold(self._send_answer, to, reply.id, frames, reply.type)
+            else:
+                self._send_answer(to, reply.id, frames, reply.type)
+        finally:
+            if context is not None:
+                self._record_answer(context, metadata, tensors, to)
         if context is not None and not self.pool.has_work() and self.pool.owns_current_thread():
             # While the caller computes (engine.py); not on other threads (an async
             # function's answer may be sent from a timer's or another call's callback).
             autograd_engine.prepare_plan(context)
+
+    def _record_answer(self, context: Any, metadata: list, tensors: list, to: str) -> None:
+        """The send function of an answer that left (see ``_reply``)."""
+        try:
+            autograd_forward.record_send(self.autograd, metadata, tensors, int(to))
+        except Exception:  # noqa: BLE001 - the answer is gone; a pass over it reports the missing node
+            log.exception("%s: recording the answer to %s in autograd context %d failed", self.info, to, metadata[0])
+        finally:
+            context.send_recorded(metadata[1])
 
     def _send_answer(self, to: str, message_id: int, frames: list, message_type: MessageType) -> None:
         try:
