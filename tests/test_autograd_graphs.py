@@ -373,7 +373,7 @@ def _plan_shape(plan) -> dict:
         "roots": (plan.root_keys, plan.root_bits),
         "groups": {
             g.mask: (set(g.nodes), set(zip(g.captures, g.capture_leaves)), {mask[i] for i in g.feeders},
-                     sorted(mask[i] for i in g.feeds), set(g.recv_targets), g.stepwise,
+                     sorted(mask[i] for i in g.feeds), set(g.recv_targets), g.stepwise, g.pass_through,
                      [(e.node, e.output_nr) for e in g.capture_edges] == g.captures)
             for g in plan.groups
         },
@@ -429,6 +429,20 @@ def test_plans_of_disjoint_roots_match_the_general_construction():
         fast, general = engine.Plan(roots), engine.Plan(roots, general=True)
         assert _plan_shape(fast) == _plan_shape(general), name
         assert _disjoint(roots) is disjoint, name
+        # Parts made before (a context's part cache) are reused, and give the same plan.
+        parts: dict = {}
+        first = engine.Plan(roots, parts=parts)
+        again = engine.Plan(roots, parts=parts)
+        assert _plan_shape(again) == _plan_shape(first) == _plan_shape(general), name
+        if disjoint:
+            assert set(parts) == set(roots), name
+            assert [g.captures for g in again.groups] == [g.captures for g in first.groups]
+            assert all(a.captures is b.captures for a, b in zip(again.groups, first.groups)), name
+    # A part cached for a root key whose edges changed is made anew.
+    parts = {7: engine._Part(send_roots(shared))}
+    assert _plan_shape(engine.Plan({7: send_roots(chain)}, parts=parts)) == \
+        _plan_shape(engine.Plan({7: send_roots(chain)}, general=True))
+    assert parts[7].edges == tuple(send_roots(chain))
     assert hooked_node in engine.Plan({7: send_roots(hooked_send)}).post_hooks
     assert engine.Plan({engine.LOCAL_ROOT: [(scalar.grad_fn, 0)]}).groups == []
 
@@ -439,7 +453,7 @@ def _disjoint(roots) -> bool:
     plan = engine.Plan.__new__(engine.Plan)
     plan.root_keys, plan.roots = list(roots), roots
     plan.root_bits = {key: 1 << i for i, key in enumerate(plan.root_keys)}
-    return plan._disjoint_groups() is not None
+    return plan._disjoint_groups({})
 
 
 def test_a_send_function_into_leaves_hands_its_gradients_on_without_the_engine(group, monkeypatch):

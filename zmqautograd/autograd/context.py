@@ -44,6 +44,7 @@ class DistAutogradContext:
         # The backward pass in progress on this worker, and the cached plan (engine.py).
         self.current_pass: Any = None
         self.plan_cache: Any = None
+        self.part_cache: dict = {}  # root key -> what it reaches (engine._Part)
 
     # The seeds' accessors (used by tests and tools).
 
@@ -83,6 +84,10 @@ class DistAutogradContext:
                 raise RpcError(f"autograd message id {message_id} already has a send function")
             self._sends[message_id] = node
             self.plan_cache = None
+
+    def recorded_send(self, message_id: int) -> Any:
+        """The send function of ``message_id`` if it is recorded (None if not), never waiting."""
+        return self._sends.get(message_id)  # (a dict lookup is atomic)
 
     def expect_send(self, message_id: int) -> None:
         """The answer with autograd message id ``message_id`` leaves before its send function

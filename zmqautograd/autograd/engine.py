@@ -102,17 +102,88 @@ class _Exit:
         self.direct_roots = 0  # mask of roots whose own edges point at it
 
 
+class _Part:
+    """What one root reaches, walked on its own (stopping at leaves and recv functions): its
+    nodes (one group, when no other root reaches them) and that group's exit edges. It
+    depends on nothing but the root's graph, which does not change once recorded, so a
+    context keeps the parts of its send functions (``DistAutogradContext.part_cache``) for
+    every plan it makes, and a caller builds them while its call travels (``prepare_part``)."""
+
+    __slots__ = ("edges", "nodes", "node_set", "exits", "captures", "capture_edges", "capture_leaves",
+                 "recv_targets", "pass_through", "post_hooks")
+
+    def __init__(self, edges: list) -> None:
+        self.edges = tuple(edges)
+        exits: dict[Any, bool] = {}  # exit node -> whether it is a leaf
+        nodes: list = []
+        seen: set = set()
+        successors: dict[Any, list] = {}
+        stack = [node for node, _ in edges]
+        while stack:
+            node = stack.pop()
+            if node in exits or node in seen:
+                continue
+            kind = type(node)
+            if kind is _LEAF_TYPE or (_LEAF_TYPE is None and is_leaf_node(node)):
+                exits[node] = True
+                continue
+            if kind is RECV_NODE_TYPE:
+                exits[node] = False
+                continue
+            seen.add(node)
+            node_edges = [(n, slot) for n, slot in node.next_functions if n is not None]
+            successors[node] = node_edges
+            nodes.append(node)
+            for target, _ in node_edges:
+                stack.append(target)
+        captures: list = []
+        captured: set = set()
+        for node in nodes:  # edges leaving the group: all into exits (its nodes are its own)
+            for edge in successors[node]:
+                if edge[0] in exits and edge not in captured:
+                    captured.add(edge)
+                    captures.append(edge)
+        self.nodes = nodes
+        self.node_set = seen
+        self.exits = exits
+        self.captures = captures
+        self.capture_edges = tuple(GradientEdge(node, slot) for node, slot in captures)
+        self.capture_leaves = tuple(exits[node] for node, _ in captures)
+        self.recv_targets = list(dict.fromkeys(node for node, _ in captures if not exits[node]))
+        self.pass_through = _pass_through_slots(nodes, captures)
+        # The dicts of its leaves' Python post hooks (functions.post_hooks_of).
+        self.post_hooks = {node: hooks for node, leaf in exits.items() if leaf and (hooks := post_hooks_of(node)) is not None}
+
+
+def _pass_through_slots(nodes: list, captures: list) -> tuple | None:
+    """_Group.pass_through for a group of ``nodes`` whose exit edges are ``captures``."""
+    if len(nodes) != 1 or type(nodes[0]) is not SEND_NODE_TYPE:
+        return None
+    where = {edge: index for index, edge in enumerate(captures)}
+    slots = []
+    for target, slot in nodes[0].next_functions:
+        if target is None:
+            slots.append(None)
+            continue
+        index = where.get((target, slot))
+        if index is None or not (type(target) is RECV_NODE_TYPE or is_leaf_node(target)):
+            return None  # into another group's node
+        slots.append(index)
+    return tuple(slots)
+
+
 class Plan:
     """Groups and exits for one set of roots. Built once per context and root set."""
 
-    def __init__(self, roots: dict[Any, list[Edge]], general: bool = False):
+    def __init__(self, roots: dict[Any, list[Edge]], general: bool = False, parts: dict | None = None):
+        """``parts``: the roots' parts made before, by root key (see _Part); the parts made
+        here are added to it (pass a context's ``part_cache``)."""
         self.root_keys = list(roots)
         self.root_bits = {key: 1 << i for i, key in enumerate(self.root_keys)}
         self.roots = roots
-        found = None if general else self._disjoint_groups()
-        if found is None:
-            found = self._mask_groups()
-        self._link(*found)
+        if not general and self._disjoint_groups({} if parts is None else parts):
+            return
+        self._link(*self._mask_groups())
 
     def _mask_groups(self) -> tuple[dict, set, bool]:
         """Exits and groups (nodes only), the general way: label every node with the mask of
@@ -136,55 +207,59 @@ class Plan:
             self.group_of[node] = group.index
         return successors, leaves, True
 
-    def _disjoint_groups(self) -> tuple[dict, set, bool] | None:
-        """Exits and groups (nodes only) when no graph node is reached from two roots (None,
-        having set nothing, when one is): each root's nodes then have that root's mask alone,
-        so each root gets one group, which exits only into leaves and recv functions (never
-        into another group, never chained) and needs no topological order (it runs as one
-        engine call). The general construction gives the same plan (a test compares them);
-        this skips the masks, the order and the chain search. The usual passes are such: a
-        worker that answered calls in a context has one root (its answer's send function),
-        and the caller of backward has its loss's graph and the send functions of its calls,
-        which lead to its leaves."""
+    def _disjoint_groups(self, parts: dict) -> bool:
+        """The whole plan when no graph node is reached from two roots (False, having set
+        nothing, when one is): each root's nodes then have that root's mask alone, so each
+        root gets one group, its part (_Part), which exits only into leaves and recv
+        functions (never into another group, never chained) and needs no topological order
+        (it runs as one engine call). The general construction gives the same plan (a test
+        compares them); this skips the masks, the order and the chain search, and reuses the
+        parts made before. The usual passes are such: a worker that answered calls in a
+        context has one root (its answer's send function), and the caller of backward has
+        its loss's graph and the send functions of its calls, which lead to its leaves."""
+        found = []
+        for key in self.root_keys:
+            edges = self.roots[key]
+            part = parts.get(key)
+            if part is None or part.edges != tuple(edges):
+                part = parts[key] = _Part(edges)
+            found.append(part)
+        reached = sum(len(part.nodes) for part in found)
+        if reached and len(set().union(*(part.node_set for part in found))) != reached:
+            return False  # shared: masks differ within a root's part
         exits: dict[Any, _Exit] = {}
         leaves: set = set()
-        owner: dict[Any, int] = {}  # graph node -> index of the root that reaches it
-        successors: dict[Any, list] = {}
         groups: list[_Group] = []
-        for position, key in enumerate(self.root_keys):
-            order: list = []
-            stack = [node for node, _ in self.roots[key]]
-            while stack:
-                node = stack.pop()
-                if node in exits:
-                    continue
-                reached_by = owner.get(node)
-                if reached_by is not None:
-                    if reached_by != position:
-                        return None  # shared: masks differ within a root's part
-                    continue
-                kind = type(node)
-                if kind is _LEAF_TYPE or (_LEAF_TYPE is None and is_leaf_node(node)):
-                    leaves.add(node)
+        group_of: dict[Any, int] = {}
+        post_hooks: dict = {}
+        for position, part in enumerate(found):
+            for node, leaf in part.exits.items():
+                if node not in exits:
                     exits[node] = _Exit(node)
-                    continue
-                if kind is RECV_NODE_TYPE:
-                    exits[node] = _Exit(node)
-                    continue
-                owner[node] = position
-                edges = [(n, slot) for n, slot in node.next_functions if n is not None]
-                successors[node] = edges
-                order.append(node)
-                for target, _ in edges:
-                    stack.append(target)
-            if order:
-                group = _Group(len(groups), 1 << position)
-                group.nodes = order
-                groups.append(group)
+                    if leaf:
+                        leaves.add(node)
+            post_hooks.update(part.post_hooks)
+            if not part.nodes:
+                continue
+            index = len(groups)
+            group = _Group(index, 1 << position)
+            group.nodes = part.nodes  # (a part's lists are never changed: plans share them)
+            group.captures = part.captures
+            group.capture_edges = part.capture_edges
+            group.capture_leaves = part.capture_leaves
+            group.recv_targets = part.recv_targets
+            group.pass_through = part.pass_through
+            groups.append(group)
+            for node in part.nodes:
+                group_of[node] = index
+            for target, _ in part.captures:
+                exits[target].feeders.add(index)
         self.exits = exits
         self.groups = groups
-        self.group_of = {node: group.index for group in groups for node in group.nodes}
-        return successors, leaves, False
+        self.group_of = group_of
+        self.post_hooks = post_hooks
+        self._aggregate(leaves)
+        return True
 
     def _link(self, successors: dict, leaves: set, may_chain: bool) -> None:
         """What the engine needs beyond the groups' nodes: each group's exit edges and who
@@ -208,10 +283,6 @@ class Plan:
                     if edge not in seen:
                         seen.add(edge)
                         group.captures.append(edge)
-        for key, edges in self.roots.items():
-            for node, _ in edges:
-                if node in exits:
-                    exits[node].direct_roots |= self.root_bits[key]
         for group in groups:
             for index in group.feeders:  # (groups in index order: each ``feeds`` stays sorted)
                 groups[index].feeds.append(group.index)
@@ -225,12 +296,17 @@ class Plan:
                     recv_targets.append(node)
             group.capture_edges = tuple(capture_edges)
             group.capture_leaves = tuple(capture_leaves)
-            if len(group.nodes) == 1 and type(group.nodes[0]) is SEND_NODE_TYPE and not group.stepwise \
-                    and all(leaf or type(node) is RECV_NODE_TYPE for (node, _), leaf in zip(group.captures, capture_leaves)):
-                where = {edge: index for index, edge in enumerate(group.captures)}
-                group.pass_through = tuple(
-                    None if target is None else where[(target, slot)] for target, slot in group.nodes[0].next_functions
-                )
+            if not group.stepwise:
+                group.pass_through = _pass_through_slots(group.nodes, group.captures)
+        self._aggregate(leaves)
+
+    def _aggregate(self, leaves: set) -> None:
+        """From the groups and exits: the roots' direct exits and what passes count down."""
+        exits, groups = self.exits, self.groups
+        for key, edges in self.roots.items():
+            for node, _ in edges:
+                if node in exits:
+                    exits[node].direct_roots |= self.root_bits[key]
         # Leaves that several groups feed: their tensor hooks must not run in each group's
         # call (see Pass._held_leaves).
         self.shared_leaves = [node for node in leaves if len(exits[node].feeders) > 1]
@@ -268,9 +344,22 @@ def plan_for(ctx: DistAutogradContext, local_edges: list | None) -> Plan:
     cached = ctx.plan_cache
     if cached is not None and cached[0] == key:
         return cached[1]
-    plan = Plan(roots)
+    plan = Plan(roots, parts=ctx.part_cache)
     ctx.plan_cache = (key, plan)
     return plan
+
+
+def prepare_part(ctx: DistAutogradContext, message_id: int) -> None:
+    """Walk the graph of send function ``message_id`` ahead of time (_Part), as the caller of
+    an ``rpc_sync`` does while its call travels: its plan then reuses the walk when the
+    caller runs backward."""
+    node = ctx.recorded_send(message_id)
+    if node is None or message_id in ctx.part_cache:
+        return
+    try:
+        ctx.part_cache[message_id] = _Part([(node, slot) for slot in range(len(node.next_functions))])
+    except Exception:  # noqa: BLE001 - the plan walks it again, and reports what fails
+        log.debug("walking send function %d of context %d ahead of time failed", message_id, ctx.context_id, exc_info=True)
 
 
 def prepare_plan(ctx: DistAutogradContext) -> None:

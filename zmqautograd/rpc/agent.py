@@ -402,6 +402,9 @@ class Agent:
             except BaseException:
                 self._claim(message_id)  # its answer, when it comes, is dropped
                 raise
+            context = self.autograd.get(autograd[0])
+            if context is not None:  # its part of the caller's plan, while the call travels too
+                autograd_engine.prepare_part(context, autograd[1])
         return future
 
     def _give_back(self, info: WorkerInfo, releases: tuple | None) -> None:
