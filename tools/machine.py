@@ -3,9 +3,9 @@
 On a shared VM the hypervisor runs other guests on "our" CPUs; Linux counts that time as
 *steal* (the 8th field of /proc/stat's ``cpu`` line). On the development VM the slow runs
 were the runs with steal: a 2-process ``rpc_sync`` loop took 630-760 us in runs with at most
-0.15 s stolen, and 2.2-2.3 ms in runs with 2.9-4.2 s stolen (README, "Figures"). So the
-benchmarks print the share of the machine's CPU time stolen while they measured: read a
-figure next to its steal.
+0.15 s stolen, and 2.2-2.3 ms in runs with 2.9-4.2 s stolen (docs/performance.md, "Earlier
+sessions"). So the benchmarks print the share of the machine's CPU time stolen while they
+measured: read a figure next to its steal.
 """
 
 from __future__ import annotations

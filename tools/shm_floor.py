@@ -3,11 +3,12 @@ through a shared-memory ring, read by threads that spin instead of sleeping.
 
 TensorPipe's same-host transport works this way (a ring in shared memory and a thread that
 busy-polls). On this project's VM, a thread woken from a cross-process wait runs 3-5x slower
-and every wake-up costs hundreds of microseconds (README, "Where the time goes"), so a design
-whose readers never sleep is what it takes to beat TensorPipe's small-call latency by 2x.
-This measures what such a design cannot go below, with no RPC layer at all: one thread on
-each side, spinning on a single-producer single-consumer ring per direction (``sched_yield``
-between polls), encoding and decoding exactly as ``tools/floor.py`` does over ZeroMQ.
+and every wake-up costs hundreds of microseconds (docs/performance.md, "Where the time
+went"), so a design whose readers never sleep is what it takes to beat TensorPipe's
+small-call latency by 2x. This measures what such a design cannot go below, with no RPC
+layer at all: one thread on each side, spinning on a single-producer single-consumer ring
+per direction (``sched_yield`` between polls), encoding and decoding exactly as
+``tools/floor.py`` does over ZeroMQ.
 
 Not part of the runtime: a measurement for the decision whether to build such a transport
 (it costs a CPU per process while it spins). ``tools/bench.py`` runs it in its standalone
