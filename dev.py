@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The project's commands, runnable on a fresh machine that has only Python 3.10+.
 
-    python3 dev.py demo             # data-parallel training, a driver and 3 workers over RPC
+    python3 dev.py demo             # a model split over 3 workers, trained from a driver (dist autograd)
     python3 dev.py test             # the whole test suite
     python3 dev.py bench            # zmqautograd.rpc next to torch.distributed.rpc (TensorPipe)
     python3 dev.py bench-transport  # the transport next to raw pyzmq
