@@ -212,7 +212,7 @@ def test_reading_a_peers_memory_needs_the_challenge_where_it_says():
     )
     reader = lending.Reader.verify(os.getpid(), offer.message(), challenge)
     data = torch.arange(1000, dtype=torch.int32)
-    assert torch.equal(reader.read(data.data_ptr(), 4000).view(torch.int32), data)
+    assert torch.equal(torch.frombuffer(reader.read(data.data_ptr(), 4000), dtype=torch.int32), data)
     with pytest.raises(RemoteProtocolError, match="challenge is not where"):
         lending.Reader.verify(os.getpid(), offer.message(), os.urandom(lending.CHALLENGE_BYTES))
     with pytest.raises(OSError):
@@ -226,7 +226,7 @@ def test_reading_a_peers_memory_needs_the_challenge_where_it_says():
     address = libc.mmap(None, 2 * page, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
     ctypes.memset(address, 7, page)
     assert libc.munmap(ctypes.c_void_p(address + page), ctypes.c_size_t(page)) == 0
-    assert torch.equal(reader.read(address, page), torch.full((page,), 7, dtype=torch.uint8))
+    assert torch.equal(torch.frombuffer(reader.read(address, page), dtype=torch.uint8), torch.full((page,), 7, dtype=torch.uint8))
     with pytest.raises(OSError) as caught:
         reader.read(address, 2 * page)
     assert caught.value.errno == errno.EFAULT
@@ -252,3 +252,90 @@ def test_a_read_after_the_peer_exited_is_not_trusted():
         reader.read(4096, 16)
     assert caught.value.errno in (errno.ESRCH, errno.EFAULT)
     reader.close()
+
+
+def _self_reader(pool) -> "lending.Reader":
+    """A Reader of this process's own memory (the challenge shown where it says)."""
+    challenge = os.urandom(lending.CHALLENGE_BYTES)
+    offer = lending.Offer.from_hello(
+        {"lend": {"host": lending.host_key(), "pid": os.getpid(), "challenge": challenge}}, lending.host_key()
+    )
+    return lending.Reader.verify(os.getpid(), offer.message(), challenge, pool)
+
+
+def test_reads_reuse_pooled_buffers_only_once_no_tensor_uses_them():
+    if lending.host_key() is None:
+        pytest.skip("no process_vm_readv or pidfd_open here")
+    from transport.staging import plain_pool
+
+    mib = 1 << 20
+    pool = plain_pool(8 * mib, lending.DEFAULT_LEND_MIN)
+    reader = _self_reader(pool)
+    first, second = torch.full((mib,), 1.0), torch.full((mib,), 2.0)  # 4 MiB each
+    kept = torch.frombuffer(reader.read(first.data_ptr(), 4 * mib), dtype=torch.float32)
+    assert pool.allocations == 1 and pool.cached_bytes == 0
+    # A tensor over the first buffer still lives: the next read gets another one, and the
+    # first tensor keeps its bytes.
+    other = torch.frombuffer(reader.read(second.data_ptr(), 4 * mib), dtype=torch.float32)
+    assert pool.allocations == 2
+    assert torch.equal(kept, first) and torch.equal(other, second)
+    # Views of a received tensor keep its buffer too.
+    view = kept.view(1024, 1024)[1:]
+    del kept
+    assert pool.cached_bytes == 0
+    del view, other  # both buffers go back
+    assert pool.cached_bytes == 8 * mib
+    again = torch.frombuffer(reader.read(second.data_ptr(), 3 * mib), dtype=torch.float32)  # same size class
+    assert pool.allocations == 2 and torch.equal(again, second[: 3 * mib // 4])
+    # A read that fails gives its buffer back.
+    with pytest.raises(OSError):
+        reader.read(4096, 4 * mib)
+    assert pool.cached_bytes == 4 * mib
+    # Idle buffers are bounded: with 4 MiB cached and 4 more wanted back, the bound (8 MiB)
+    # holds; a third idle one would not fit and is dropped.
+    extra = torch.frombuffer(reader.read(first.data_ptr(), 4 * mib), dtype=torch.float32)
+    assert pool.cached_bytes == 0
+    third = torch.frombuffer(reader.read(first.data_ptr(), 4 * mib), dtype=torch.float32)
+    assert pool.allocations == 3
+    del again, extra, third
+    assert pool.cached_bytes == 8 * mib
+    # Closed (as its endpoint closes): idle buffers are dropped, and so is what comes back later.
+    late = reader.read(first.data_ptr(), 4 * mib)
+    pool.close()
+    assert pool.cached_bytes == 0
+    del late
+    assert pool.cached_bytes == 0
+    reader.close()
+
+
+def test_lent_tensors_are_read_into_reused_buffers_end_to_end(server):
+    """The echoes the server lends back are read into the client's pooled buffers: one buffer
+    serves every round trip while the previous echo is gone, two while one is kept."""
+    client = Client(server, identity="pooled")
+    try:
+        pool = client.endpoint._lend_pool
+        assert pool is not None
+        big = torch.randn(1 << 20)  # 4 MiB
+        for _ in range(5):
+            echoed = client.call({"op": "echo", "data": big})
+            assert torch.equal(echoed, big)
+            del echoed
+        assert pool.allocations == 1
+        kept = client.call({"op": "echo", "data": big})
+        changed = client.call({"op": "echo", "data": big + 1})
+        assert torch.equal(kept, big) and torch.equal(changed, big + 1)
+        assert pool.allocations == 2
+    finally:
+        client.close()
+    assert pool.cached_bytes == 0  # closed with the endpoint
+
+
+def test_lend_cache_zero_reads_into_fresh_buffers(server):
+    client = Client(server, identity="unpooled", lend_cache=0)
+    try:
+        assert client.endpoint._lend_pool is None
+        big = torch.randn(1 << 20)
+        assert torch.equal(client.call({"op": "echo", "data": big}), big)
+        assert client.endpoint.stats()[server.identity].buffers_borrowed == 1
+    finally:
+        client.close()

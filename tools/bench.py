@@ -130,7 +130,9 @@ def pipeline_step(rpc, autograd, per_round: int) -> float:
     return (time.perf_counter() - start) / per_round
 
 
-def run(rank: int, tp_port: int, zmq_port: int, rounds: int) -> None:
+def run(rank: int, tp_port: int, zmq_port: int, rounds: int, ratios) -> None:
+    """The shared table: both frameworks in the same 4 processes. Rank 0 measures, prints,
+    and puts the ratios it found (by workload title) on ``ratios``."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(tp_port)
     tp_rpc.init_rpc(f"worker{rank}", rank=rank, world_size=WORLD,
@@ -148,6 +150,7 @@ def run(rank: int, tp_port: int, zmq_port: int, rounds: int) -> None:
             ("dist autograd: 4-stage pipeline step", "us", 1e6, lambda rpc, ag: pipeline_step(rpc, ag, 20), "time"),
         ]
         print(f"{'workload':<38}{'TensorPipe':>14}{'zmqautograd':>14}{'ratio':>8}{'stolen':>9}", flush=True)
+        found = {}
         for title, unit, scale, measure, kind in workloads:
             for rpc, autograd in frameworks.values():
                 measure(rpc, autograd)  # warm-up
@@ -159,6 +162,8 @@ def run(rank: int, tp_port: int, zmq_port: int, rounds: int) -> None:
             tp, ours = (statistics.median(samples[n]) for n in frameworks)
             print(f"{title:<38}{tp * scale:>10.0f} {unit:<4}{ours * scale:>9.0f} {unit:<4}{ours / tp:>6.2f}x"
                   f"{steal.text():>9}", flush=True)
+            found[title] = ours / tp
+        ratios.put(found)
     zmq_rpc.shutdown()
     tp_rpc.shutdown()
 
@@ -240,7 +245,8 @@ def run_pipeline_alone(rank: int, framework: str, port: int, results) -> None:
     rpc.shutdown()
 
 
-def standalone_pipeline(rounds: int) -> None:
+def standalone_pipeline(rounds: int) -> float:
+    """The pipeline step with each framework alone; prints the table and returns our ratio."""
     results = mp.get_context("spawn").SimpleQueue()
     samples: dict[str, list] = {"TensorPipe": [], "zmqautograd": []}
     stolen: dict[str, list] = {name: [] for name in samples}
@@ -258,6 +264,7 @@ def standalone_pipeline(rounds: int) -> None:
         shares = [share for share in stolen[name] if share is not None]
         print(f"{name:<34}{median * 1e6:>11.0f} us {median / tp:>5.2f}x"
               f"{percent(statistics.median(shares) if shares else None):>9}", flush=True)
+    return statistics.median(samples["zmqautograd"]) / tp
 
 
 def _floor_alone(rank: int, port: int, results) -> None:
@@ -293,7 +300,9 @@ def _shm_floor_alone(rank: int, name: str, results) -> None:
         client.close()
 
 
-def standalone(rounds: int) -> None:
+def standalone(rounds: int) -> dict[str, float]:
+    """The tables of each framework alone in 2 processes; prints them and returns zmqautograd's
+    ratios to TensorPipe by column title."""
     results = mp.get_context("spawn").SimpleQueue()
     samples: dict[str, list] = {name: [] for name in STANDALONE}
     stolen: dict[str, list] = {name: [] for name in STANDALONE}
@@ -326,6 +335,32 @@ def standalone(rounds: int) -> None:
         shares = [share for share in stolen[name] if share is not None]
         median_share = statistics.median(shares) if shares else None
         print(f"{name:<34}" + "".join(cells) + f"{percent(median_share):>9}", flush=True)
+    ours = samples["zmqautograd"]
+    return {title: statistics.median(v[i] for v in ours) / tp[i] for i, (title, _) in enumerate(STANDALONE_COLUMNS)}
+
+
+# The performance goals of issues 3 and 4: (table, column or workload, "<=" or ">=", ratio).
+# Ratios are zmqautograd / TensorPipe (for throughput, calls/s over calls/s).
+GOALS = (
+    ("alone", "rpc_sync small", "<=", 0.5),
+    ("alone", "rpc_async, 64 in flight", ">=", 2.0),
+    ("shared", "16 MiB round trip", "<=", 1.5),
+    ("alone", "one hop fwd+bwd", "<=", 0.6),
+    ("alone", "4-stage pipeline step", "<=", 0.6),
+)
+
+
+def print_goals(ratios: dict[str, dict[str, float]]) -> None:
+    """Each goal with this run's ratio and whether it was met ("alone": each framework in its
+    own processes; "shared": both in the same four)."""
+    print("\ngoals (issues 3 and 4), this run:", flush=True)
+    for table, title, sense, goal in GOALS:
+        ratio = ratios.get(table, {}).get(title)
+        if ratio is None:
+            continue
+        met = ratio <= goal if sense == "<=" else ratio >= goal
+        verdict = "met" if met else "NOT met"
+        print(f"  {title + ' (' + table + ')':<40}{ratio:>6.3f}x  goal {sense} {goal}x: {verdict}", flush=True)
 
 
 def main() -> None:
@@ -333,10 +368,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--standalone-rounds", type=int, default=3, help="0 to skip the tables of each framework alone")
     args = parser.parse_args()
-    mp.spawn(run, args=(_free_port(), _free_port(), args.rounds), nprocs=WORLD)
+    shared = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(run, args=(_free_port(), _free_port(), args.rounds, shared), nprocs=WORLD)
+    ratios = {"shared": shared.get()}
     if args.standalone_rounds:
-        standalone(args.standalone_rounds)
-        standalone_pipeline(args.standalone_rounds)
+        ratios["alone"] = standalone(args.standalone_rounds)
+        ratios["alone"]["4-stage pipeline step"] = standalone_pipeline(args.standalone_rounds)
+    print_goals(ratios)
 
 
 if __name__ == "__main__":

@@ -67,8 +67,8 @@ from . import faults
 from .codec import CONTROL_TYPES as _CONTROL_TYPES
 from .codec import Codec, Envelope, ExtensionNotDecoded, Message, MessageType, _peek_message_id
 from .faults import FaultPolicy
-from . import lending, shm
-from .lending import DEFAULT_LEND_MIN, LentFrame, Reader
+from . import lending, shm, staging
+from .lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN, LentFrame, Reader
 from .security import ZAP_ENDPOINT, ClusterKeys
 from .tensors import adopt_torch_thread_settings
 from .waiter import IoPoller, LockWaiter, Waiter, new_waiter
@@ -113,6 +113,10 @@ class EndpointOptions:
     # Buffers of at least this many bytes to a peer on the same host are lent, not sent: the
     # peer reads them from our memory (transport/lending.py). 0: never.
     lend_min: int = DEFAULT_LEND_MIN
+    # Buffers we read lent tensors into go back to a pool when the tensors are gone, and the
+    # next read of that size class reuses one (its pages in memory already: no page faults);
+    # idle ones are kept up to this many bytes (transport/staging.py). 0: a new buffer each time.
+    lend_cache: int = DEFAULT_LEND_CACHE
     # Messages to a peer on the same host go through a ring of this many bytes in shared
     # memory instead of the socket (transport/shm.py; x86-64 Linux). 0: never.
     shm_ring: int = shm.DEFAULT_RING_BYTES
@@ -131,8 +135,8 @@ class EndpointOptions:
             raise ValueError("connect_timeout must be > 0 and close_linger >= 0")
         if self.busy_poll < 0:
             raise ValueError("busy_poll must be >= 0")
-        if self.lend_min < 0:
-            raise ValueError("lend_min must be >= 0")
+        if self.lend_min < 0 or self.lend_cache < 0:
+            raise ValueError("lend_min and lend_cache must be >= 0")
         if self.shm_ring < 0 or 0 < self.shm_ring < 4096:
             raise ValueError("shm_ring must be 0 (off) or >= 4096")
         if self.spin < 0:
@@ -273,6 +277,9 @@ class Endpoint:
         # challenge a peer must show back before we read its memory; (peer, transfer id) of
         # borrowed buffers whose release still has to go out; the next transfer id.
         self._host_key = lending.host_key() if self.options.lend_min else None
+        # Where the buffers we read lent tensors into come from (None: fresh ones each time).
+        self._lend_pool = staging.plain_pool(self.options.lend_cache, lending.DEFAULT_LEND_MIN) \
+            if self._host_key is not None and self.options.lend_cache else None
         # Shared memory (transport/shm.py): on where supported; the same host key decides.
         # The doorbell (made by the I/O thread), the peers whose rings we read, the peers
         # with bytes that had no room in their ring yet, whether a thread spins.
@@ -659,6 +666,8 @@ class Endpoint:
         if threading.current_thread() is not self._dispatch_thread:
             self._dispatch_thread.join()
         self._context.term()
+        if self._lend_pool is not None:
+            self._lend_pool.close()  # what tensors still use is freed with them
 
     def __enter__(self) -> "Endpoint":
         return self
@@ -1161,7 +1170,7 @@ class Endpoint:
             return  # not on our host (or lending is off here), or already done
         payload = self._control_payload(record, envelope)
         try:
-            record.reader = lending.Reader.verify(record.offer.peer_pid, payload, self._challenge)
+            record.reader = lending.Reader.verify(record.offer.peer_pid, payload, self._challenge, self._lend_pool)
         except (OSError, ProtocolError) as exc:
             log.info("endpoint %s: cannot read the memory of %s, big buffers go through the socket: %s",
                      self.identity, record.name, exc)

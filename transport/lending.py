@@ -38,6 +38,7 @@ import os
 import select
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -47,6 +48,7 @@ import torch
 
 from .codec import _frame_buffer
 from .errors import RemoteProtocolError
+from .staging import BufferPool
 from .tensors import as_buffer
 
 LENT_MARK = 0xC1
@@ -55,6 +57,9 @@ CHALLENGE_BYTES = 16
 # Smaller buffers go through the socket. Measured (rpc_sync round trips, lent / sent):
 # 256 KiB 1.0-1.2 / 0.7-0.8 ms, 512 KiB even, 1 MiB 1.1-1.5 / 1.8-2.0 ms.
 DEFAULT_LEND_MIN = 1 << 20
+# Idle buffers kept for reading lent tensors into (EndpointOptions.lend_cache): enough for a
+# few messages of tens of MiB each way.
+DEFAULT_LEND_CACHE = 256 << 20
 
 
 class _IoVec(ctypes.Structure):
@@ -116,14 +121,16 @@ def is_alive(pidfd: int) -> bool:
 
 class Reader:
     """The right to read one peer's memory, won by the challenge (see the module's docstring).
-    Its pidfd closes when the last reference goes."""
+    Its pidfd closes when the last reference goes. ``pool``: where the buffers it reads into
+    come from and go back to (see ``read``); None: a new buffer for every read."""
 
-    def __init__(self, pid: int, pidfd: int):
+    def __init__(self, pid: int, pidfd: int, pool: BufferPool | None = None):
         self.pid = pid
         self.pidfd = pidfd
+        self.pool = pool
 
     @classmethod
-    def verify(cls, pid: Any, address: Any, challenge: bytes) -> "Reader":
+    def verify(cls, pid: Any, address: Any, challenge: bytes, pool: BufferPool | None = None) -> "Reader":
         """Read the challenge at ``address`` in ``pid``; a Reader when it is there. Raises
         OSError or RemoteProtocolError with the reason otherwise."""
         if type(address) is not int or address <= 0:
@@ -137,15 +144,35 @@ class Reader:
         except BaseException:
             os.close(pidfd)
             raise
-        return cls(pid, pidfd)
+        return cls(pid, pidfd, pool)
 
-    def read(self, address: int, nbytes: int) -> torch.Tensor:
-        """A new uint8 tensor holding ``nbytes`` read at ``address`` in the peer."""
-        data = torch.empty(nbytes, dtype=torch.uint8)
+    def read(self, address: int, nbytes: int) -> memoryview:
+        """A writable buffer holding the ``nbytes`` read at ``address`` in the peer.
+
+        With a pool, the buffer is one of its blocks, which goes back to the pool when the
+        last reference to the returned memoryview goes (tensors decoded over it hold it: a
+        block is never reused while any of them lives). A reused block has its pages in
+        memory already, where a fresh one faults each page in on first touch (see
+        transport/staging.py): reads of the same size then cost the copy alone."""
+        pool = self.pool
+        if pool is None:
+            data = torch.empty(nbytes, dtype=torch.uint8)
+            self._read_into(address, nbytes, data)
+            return memoryview(as_buffer(data))
+        block = pool.acquire(nbytes)
+        try:
+            self._read_into(address, nbytes, block.tensor)
+        except BaseException:
+            pool.release(block)
+            raise
+        view = memoryview(as_buffer(block.tensor))[:nbytes]
+        weakref.finalize(view, pool.release, block)
+        return view
+
+    def _read_into(self, address: int, nbytes: int, data: torch.Tensor) -> None:
         read_memory(self.pid, address, nbytes, data.data_ptr())
         if not is_alive(self.pidfd):  # the pid may since name another process: trust nothing read
             raise OSError(errno.ESRCH, "the process exited")
-        return data
 
     def close(self) -> None:
         if self.pidfd >= 0:
@@ -223,7 +250,7 @@ class LentFrame:
             if done is None:
                 raise RemoteProtocolError(f"lent frame {self._transfer_id} from {self._peer!r} could not be read")
             try:
-                data = self._reader.read(self._address, self._nbytes)
+                view = self._reader.read(self._address, self._nbytes)
             except OSError as exc:
                 raise RemoteProtocolError(
                     f"cannot read the {self._nbytes} bytes {self._peer!r} lent at {self._address:#x} "
@@ -231,7 +258,7 @@ class LentFrame:
                 ) from None
             finally:
                 done(self._transfer_id, True)
-            self._view = memoryview(as_buffer(data))
+            self._view = view
         return self._view
 
     def __del__(self) -> None:

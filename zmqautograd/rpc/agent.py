@@ -236,6 +236,7 @@ class Agent:
                 cluster_secret=secret,
                 busy_poll=options.busy_poll,
                 lend_min=options.lend_min,
+                lend_cache=options.lend_cache,
                 shm_ring=options.shm_ring,
                 spin=options.spin,
             ),

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from transport.lending import DEFAULT_LEND_MIN
+from transport.lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN
 from transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING, DEFAULT_SPIN
 
 from .devices import to_device, to_device_map
@@ -58,6 +58,9 @@ class ZmqRpcBackendOptions:
         lend_min: tensors of at least this many bytes to a worker on the same host are read
             by it straight from this process's memory, one copy instead of a socket's two
             (docs/transport.md, "Lending"); 0 turns that off.
+        lend_cache: bytes. The buffers such tensors are read into are reused once the tensors
+            are gone (no page faults on reuse); idle ones are kept up to this many bytes. 0:
+            a new buffer for every tensor.
         shm_ring: messages to a worker on the same host go through a ring of this many bytes
             in shared memory instead of a socket (docs/transport.md, "Shared-memory rings");
             0 turns that off.
@@ -87,6 +90,7 @@ class ZmqRpcBackendOptions:
     peer_timeout: float = 10.0
     busy_poll: float = 0.0
     lend_min: int = DEFAULT_LEND_MIN
+    lend_cache: int = DEFAULT_LEND_CACHE
     shm_ring: int = DEFAULT_SHM_RING
     spin: float = DEFAULT_SPIN
     messages_to_fail: list[str] = field(default_factory=list)
