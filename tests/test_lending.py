@@ -308,6 +308,15 @@ def test_reads_reuse_pooled_buffers_only_once_no_tensor_uses_them():
     reader.close()
 
 
+def _echo_until_lent_back(client, tensor: torch.Tensor) -> None:
+    """Echo ``tensor`` until the echo comes back lent: the server lends to us only once it
+    has our LEND_READY, which can come after the first calls."""
+    deadline = time.monotonic() + 30
+    while client.endpoint.stats()[client.server.identity].buffers_borrowed == 0:
+        assert time.monotonic() < deadline, "the server never lent to us"
+        assert torch.equal(client.call({"op": "echo", "data": tensor}), tensor)
+
+
 def test_lent_tensors_are_read_into_reused_buffers_end_to_end(server):
     """The echoes the server lends back are read into the client's pooled buffers: one buffer
     serves every round trip while the previous echo is gone, two while one is kept."""
@@ -316,6 +325,7 @@ def test_lent_tensors_are_read_into_reused_buffers_end_to_end(server):
         pool = client.endpoint._lend_pool
         assert pool is not None
         big = torch.randn(1 << 20)  # 4 MiB
+        _echo_until_lent_back(client, big)
         for _ in range(5):
             echoed = client.call({"op": "echo", "data": big})
             assert torch.equal(echoed, big)
@@ -334,8 +344,6 @@ def test_lend_cache_zero_reads_into_fresh_buffers(server):
     client = Client(server, identity="unpooled", lend_cache=0)
     try:
         assert client.endpoint._lend_pool is None
-        big = torch.randn(1 << 20)
-        assert torch.equal(client.call({"op": "echo", "data": big}), big)
-        assert client.endpoint.stats()[server.identity].buffers_borrowed == 1
+        _echo_until_lent_back(client, torch.randn(1 << 20))  # read into a fresh buffer
     finally:
         client.close()
