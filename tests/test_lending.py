@@ -279,14 +279,22 @@ def test_reads_reuse_pooled_buffers_only_once_no_tensor_uses_them():
     other = torch.frombuffer(reader.read(second.data_ptr(), 4 * mib), dtype=torch.float32)
     assert pool.allocations == 2
     assert torch.equal(kept, first) and torch.equal(other, second)
-    # Views of a received tensor keep its buffer too.
+    # Views of a received tensor keep its buffer too, and so do memoryviews derived from the
+    # one read returned, when that one is gone.
     view = kept.view(1024, 1024)[1:]
     del kept
+    derived = memoryview(reader.read(second.data_ptr(), 4 * mib))[4:]
+    assert pool.allocations == 3
     assert pool.cached_bytes == 0
-    del view, other  # both buffers go back
+    derived_tensor = torch.frombuffer(derived, dtype=torch.uint8)
+    del derived
+    assert pool.cached_bytes == 0
+    del derived_tensor
+    assert pool.cached_bytes == 4 * mib
+    del view, other  # both buffers go back; with the third, one more than the bound holds
     assert pool.cached_bytes == 8 * mib
     again = torch.frombuffer(reader.read(second.data_ptr(), 3 * mib), dtype=torch.float32)  # same size class
-    assert pool.allocations == 2 and torch.equal(again, second[: 3 * mib // 4])
+    assert pool.allocations == 3 and torch.equal(again, second[: 3 * mib // 4])
     # A read that fails gives its buffer back.
     with pytest.raises(OSError):
         reader.read(4096, 4 * mib)
@@ -296,7 +304,7 @@ def test_reads_reuse_pooled_buffers_only_once_no_tensor_uses_them():
     extra = torch.frombuffer(reader.read(first.data_ptr(), 4 * mib), dtype=torch.float32)
     assert pool.cached_bytes == 0
     third = torch.frombuffer(reader.read(first.data_ptr(), 4 * mib), dtype=torch.float32)
-    assert pool.allocations == 3
+    assert pool.allocations == 4
     del again, extra, third
     assert pool.cached_bytes == 8 * mib
     # Closed (as its endpoint closes): idle buffers are dropped, and so is what comes back later.

@@ -149,9 +149,9 @@ class Reader:
     def read(self, address: int, nbytes: int) -> memoryview:
         """A writable buffer holding the ``nbytes`` read at ``address`` in the peer.
 
-        With a pool, the buffer is one of its blocks, which goes back to the pool when the
-        last reference to the returned memoryview goes (tensors decoded over it hold it: a
-        block is never reused while any of them lives). A reused block has its pages in
+        With a pool, the buffer is one of its blocks, which goes back to the pool when nothing
+        refers to its memory any more (tensors decoded over it hold the returned memoryview,
+        or views derived from it: a block is never reused while any of them lives). A reused block has its pages in
         memory already, where a fresh one faults each page in on first touch (see
         transport/staging.py): reads of the same size then cost the copy alone."""
         pool = self.pool
@@ -165,9 +165,12 @@ class Reader:
         except BaseException:
             pool.release(block)
             raise
-        view = memoryview(as_buffer(block.tensor))[:nbytes]
-        weakref.finalize(view, pool.release, block)
-        return view
+        # The block goes back when the object that exports its memory goes: every memoryview
+        # over it (slices and views of views too, whatever holds them) keeps that alive, where
+        # a finalizer on one memoryview would fire while views derived from it still live.
+        exporter = as_buffer(block.tensor)
+        weakref.finalize(exporter, pool.release, block)
+        return memoryview(exporter)[:nbytes]
 
     def _read_into(self, address: int, nbytes: int, data: torch.Tensor) -> None:
         read_memory(self.pid, address, nbytes, data.data_ptr())
