@@ -151,9 +151,9 @@ class Reader:
 
         With a pool, the buffer is one of its blocks, which goes back to the pool when nothing
         refers to its memory any more (tensors decoded over it hold the returned memoryview,
-        or views derived from it: a block is never reused while any of them lives). A reused block has its pages in
-        memory already, where a fresh one faults each page in on first touch (see
-        transport/staging.py): reads of the same size then cost the copy alone."""
+        or views derived from it: a block is never reused while any of them lives). A reused
+        block has its pages in memory already, where a fresh one faults each page in on first
+        touch (see transport/staging.py): reads of the same size then cost the copy alone."""
         pool = self.pool
         if pool is None:
             data = torch.empty(nbytes, dtype=torch.uint8)

@@ -123,12 +123,9 @@ class _Part:
             node = stack.pop()
             if node in exits or node in seen:
                 continue
-            kind = type(node)
-            if kind is _LEAF_TYPE or (_LEAF_TYPE is None and is_leaf_node(node)):
-                exits[node] = True
-                continue
-            if kind is RECV_NODE_TYPE:
-                exits[node] = False
+            leaf = _exit_kind(node)
+            if leaf is not None:
+                exits[node] = leaf
                 continue
             seen.add(node)
             node_edges = [(n, slot) for n, slot in node.next_functions if n is not None]
@@ -166,7 +163,7 @@ def _pass_through_slots(nodes: list, captures: list) -> tuple | None:
             slots.append(None)
             continue
         index = where.get((target, slot))
-        if index is None or not (type(target) is RECV_NODE_TYPE or is_leaf_node(target)):
+        if index is None or _exit_kind(target) is None:
             return None  # into another group's node
         slots.append(index)
     return tuple(slots)
@@ -378,6 +375,18 @@ def prepare_plan(ctx: DistAutogradContext) -> None:
 
 
 _LEAF_TYPE = _ACCUMULATE_GRAD_TYPE
+
+
+def _exit_kind(node: Any) -> bool | None:
+    """Where a walk of the graph stops: True at a leaf (AccumulateGrad), False at a recv
+    function (its gradients leave this worker), None at any other node (walked through)."""
+    kind = type(node)
+    if kind is _LEAF_TYPE or (_LEAF_TYPE is None and is_leaf_node(node)):
+        return True
+    if kind is RECV_NODE_TYPE:
+        return False
+    return None
+
 _EXIT: list = []  # the successors of an exit (leaves and recv functions end the walk); never mutated
 
 
@@ -395,12 +404,10 @@ def _discover(roots: dict[Any, list[Edge]]) -> tuple[list, dict, set]:
         node = stack.pop()
         if node in successors:
             continue
-        kind = type(node)
-        if kind is _LEAF_TYPE or (_LEAF_TYPE is None and is_leaf_node(node)):
-            leaves.add(node)
-            successors[node] = _EXIT
-            continue
-        if kind is RECV_NODE_TYPE:
+        leaf = _exit_kind(node)
+        if leaf is not None:
+            if leaf:
+                leaves.add(node)
             successors[node] = _EXIT
             continue
         edges = [(n, slot) for n, slot in node.next_functions if n is not None]

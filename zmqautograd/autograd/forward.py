@@ -42,15 +42,17 @@ def response_metadata(container: ContextContainer, context: DistAutogradContext)
     return [context.context_id, container.new_message_id()]
 
 
-def record_send(container: ContextContainer, metadata: list, tensors: list, to: int) -> None:
-    """After encoding a recorded message: a send function over what requires grad in it."""
+def record_send(container: ContextContainer, metadata: list, tensors: list, to: int) -> DistAutogradContext | None:
+    """After encoding a recorded message: a send function over what requires grad in it.
+    The context it went into; None when that was released here meanwhile."""
     context = container.get(metadata[0])
     if context is None:  # released meanwhile: nothing will run a backward pass in it
-        return
+        return None
     context.add_known_worker(to)
     needing_grad = [t for t in tensors if t.requires_grad]
     if needing_grad:
         context.add_send_function(metadata[1], make_send_node(needing_grad))
+    return context
 
 
 def record_recv(container: ContextContainer, metadata: Any, tensors: list, from_worker: int,

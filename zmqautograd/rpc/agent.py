@@ -399,11 +399,10 @@ class Agent:
             # that, on this thread), and the recording then costs no latency. Other calls
             # record first: their answer may start a pass on another thread at once.
             try:
-                autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
+                context = autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
             except BaseException:
                 self._claim(message_id)  # its answer, when it comes, is dropped
                 raise
-            context = self.autograd.get(autograd[0])
             if context is not None:  # its part of the caller's plan, while the call travels too
                 autograd_engine.prepare_part(context, autograd[1])
         return future
