@@ -356,7 +356,7 @@ def test_received_tensors_become_recv_outputs_in_place_with_or_without_the_fast_
     tagged.tag = "mine"
     for tensor in (fresh, tagged):
         before = id(tensor)
-        node = functions.attach_recv_node([tensor], 1, 2, 3)
+        node, _ = functions.attach_recv_node([tensor], 1, 2, 3)
         assert id(tensor) == before and tensor.grad_fn is node and functions.is_recv_node(node)
         assert torch.equal(tensor.detach(), torch.arange(3.0)) and not tensor.is_leaf
         assert functions.recv_info(node).from_worker == 3
@@ -398,6 +398,13 @@ def test_plans_of_disjoint_roots_match_the_general_construction():
         functions.attach_recv_node([tensor], 1, 2, 3)
         return tensor
 
+    kept = []  # what keeps the send functions alive (functions.NODE_NEEDS_AN_OUTPUT)
+
+    def send_node(tensors):
+        node, keep_alive = functions.make_send_node(tensors)
+        kept.append(keep_alive)
+        return node
+
     def send_roots(node):
         return [(node, slot) for slot in range(len(node.next_functions))]
 
@@ -406,9 +413,9 @@ def test_plans_of_disjoint_roots_match_the_general_construction():
     hooked_node = (hooked * 1).grad_fn.next_functions[0][0]
     hooked_node.register_hook(lambda grad_inputs, grad_outputs: None)
     r1, r2, scalar = received(3), received(3), received(())
-    chain = functions.make_send_node([r1 * 2])
-    shared = functions.make_send_node([(r1 * weight).relu() + weight.sum(), r2 * r1, weight * 3])
-    hooked_send = functions.make_send_node([hooked * r2])
+    chain = send_node([r1 * 2])
+    shared = send_node([(r1 * weight).relu() + weight.sum(), r2 * r1, weight * 3])
+    hooked_send = send_node([hooked * r2])
     hidden = torch.tanh(weight * 2)
     cases = {
         "chain": ({7: send_roots(chain)}, True),
@@ -417,12 +424,12 @@ def test_plans_of_disjoint_roots_match_the_general_construction():
         "root into a recv function": ({engine.LOCAL_ROOT: [(scalar.grad_fn, 0)]}, True),
         "loss and sends sharing leaves": ({
             engine.LOCAL_ROOT: [(((r1 * weight).sum() + r2.sum()).grad_fn, 0)],
-            7: send_roots(functions.make_send_node([weight, hooked])),
-            8: send_roots(functions.make_send_node([weight * 2])),
+            7: send_roots(send_node([weight, hooked])),
+            8: send_roots(send_node([weight * 2])),
         }, True),
         "roots sharing a node": ({
             engine.LOCAL_ROOT: [((hidden * r1).sum().grad_fn, 0)],
-            7: send_roots(functions.make_send_node([hidden])),
+            7: send_roots(send_node([hidden])),
         }, False),
     }
     for name, (roots, disjoint) in cases.items():
@@ -488,10 +495,10 @@ def test_a_send_functions_gradient_the_engine_would_convert_goes_through_the_eng
     from zmqautograd.autograd import engine, functions
 
     leaf = torch.randn(3, requires_grad=True)
-    send = functions.make_send_node([leaf * 1, leaf])  # slot 0: not a leaf's edge
+    send, keep_alive = functions.make_send_node([leaf * 1, leaf])  # slot 0: not a leaf's edge
     plan = engine.Plan({7: [(send, 0), (send, 1)]})
     assert all(g.pass_through is None for g in plan.groups)  # a group with more than the send function
-    send = functions.make_send_node([leaf, leaf])
+    send, keep_alive = functions.make_send_node([leaf, leaf])
     (group,) = engine.Plan({7: [(send, 0), (send, 1)]}).groups
     assert group.pass_through == (0, 0)
     (summed,) = engine._pass_through(group, {(send, 0): torch.ones(3), (send, 1): torch.ones(3)})
@@ -568,8 +575,8 @@ def test_a_send_function_still_being_recorded_is_waited_for():
     for thread in asked:
         thread.join(0.2)  # (they must still wait: nothing may come back yet)
         assert thread.is_alive()
-    node = functions.make_send_node([torch.ones(2, requires_grad=True)])
-    context.add_send_function(7, node)
+    node, keep_alive = functions.make_send_node([torch.ones(2, requires_grad=True)])
+    context.add_send_function(7, node, keep_alive)
     context.send_recorded(7)
     for thread in asked:
         thread.join(5)  # woken by the recording (their own bound is 10 s)

@@ -39,6 +39,9 @@ class DistAutogradContext:
         self._expected: set[int] = set()
         self._recorded: threading.Condition | None = None
         self._recvs: dict[int, Any] = {}  # autograd message id -> RecvRpcBackward node
+        # Tensors that keep those nodes alive where their Python objects do not (functions.py,
+        # NODE_NEEDS_AN_OUTPUT): the context owns its send and recv functions, as in the seeds.
+        self._keep_alive: list[torch.Tensor] = []
         self._grads: dict[torch.Tensor, torch.Tensor] = {}
         self.released = False
         # The backward pass in progress on this worker, and the cached plan (engine.py).
@@ -78,11 +81,13 @@ class DistAutogradContext:
         with self._lock:
             self._known_workers.add(worker_id)
 
-    def add_send_function(self, message_id: int, node: Any) -> None:
+    def add_send_function(self, message_id: int, node: Any, keep_alive: torch.Tensor | None = None) -> None:
         with self._lock:
             if message_id in self._sends:
                 raise RpcError(f"autograd message id {message_id} already has a send function")
             self._sends[message_id] = node
+            if keep_alive is not None:
+                self._keep_alive.append(keep_alive)
             self.plan_cache = None
 
     def recorded_send(self, message_id: int) -> Any:
@@ -111,11 +116,13 @@ class DistAutogradContext:
             self._recorded = threading.Condition(self._lock)
         self._recorded.wait_for(ready, _EXPECTED_SEND_WAIT)
 
-    def add_recv_function(self, message_id: int, node: Any) -> None:
+    def add_recv_function(self, message_id: int, node: Any, keep_alive: torch.Tensor | None = None) -> None:
         with self._lock:
             if message_id in self._recvs:
                 raise RpcError(f"autograd message id {message_id} already has a recv function")
             self._recvs[message_id] = node
+            if keep_alive is not None:
+                self._keep_alive.append(keep_alive)
 
     def send_function(self, message_id: int) -> Any:
         with self._lock:

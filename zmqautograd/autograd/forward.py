@@ -51,7 +51,7 @@ def record_send(container: ContextContainer, metadata: list, tensors: list, to: 
     context.add_known_worker(to)
     needing_grad = [t for t in tensors if t.requires_grad]
     if needing_grad:
-        context.add_send_function(metadata[1], make_send_node(needing_grad))
+        context.add_send_function(metadata[1], *make_send_node(needing_grad))
     return context
 
 
@@ -71,7 +71,7 @@ def record_recv(container: ContextContainer, metadata: Any, tensors: list, from_
     needing_grad = [t for t in tensors if t.requires_grad]
     if needing_grad:
         context.add_recv_function(
-            message_id, attach_recv_node(needing_grad, context_id, message_id, from_worker, response)
+            message_id, *attach_recv_node(needing_grad, context_id, message_id, from_worker, response)
         )
     return context
 

@@ -46,11 +46,13 @@ class SendRpc(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
+        if NODE_NEEDS_AN_OUTPUT:
+            return tuple([t.detach() for t in tensors]) + (torch.empty(0),)
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-        return grads
+        return grads[:-1] if NODE_NEEDS_AN_OUTPUT else grads
 
 
 class RecvRpc(torch.autograd.Function):
@@ -62,6 +64,8 @@ class RecvRpc(torch.autograd.Function):
     def forward(ctx: Any, anchor: torch.Tensor, info: RecvInfo, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.recv_info = info
+        if NODE_NEEDS_AN_OUTPUT:
+            return tuple([t.detach() for t in tensors]) + (torch.empty(0),)
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
@@ -69,7 +73,28 @@ class RecvRpc(torch.autograd.Function):
         # Reached only by a *local* backward (tensor.backward()) through received tensors:
         # gradients stop at the RPC boundary there, as they would at any tensor that does
         # not require grad.
-        return (None, None) + tuple(None for _ in grads)
+        return (None, None) + tuple(None for _ in grads[: len(ctx.recv_info.metadata)])
+
+
+def _node_outlives_its_outputs() -> bool:
+    """Whether the Python object of a custom function's node keeps the node alive (torch
+    2.13 does). Where it does not (torch 2.11: the object refers to the node weakly, and
+    only tensors that have it as grad_fn keep it), a node whose outputs are gone is dead:
+    its attributes raise "Attribute 'next_functions' is invalid for this instance". Send
+    functions are kept only as nodes (nobody keeps the tensors of a send), so there the
+    functions add one empty output that the context keeps instead (``make_send_node``)."""
+    global NODE_NEEDS_AN_OUTPUT
+    NODE_NEEDS_AN_OUTPUT = False
+    with torch.inference_mode(False), torch.enable_grad():
+        node = SendRpc.apply(torch.empty(1, requires_grad=True))[0].grad_fn
+        try:
+            node.next_functions
+        except RuntimeError:
+            return False
+    return True
+
+
+NODE_NEEDS_AN_OUTPUT = not _node_outlives_its_outputs()
 
 
 # PyTorch names Python-function nodes after their class; the seeds (and their tests) use the
@@ -230,22 +255,24 @@ with torch.inference_mode(False):  # a normal tensor even if we are imported in 
     _ANCHOR = torch.empty(0, requires_grad=True)
 
 
-def make_send_node(tensors: list[torch.Tensor]) -> Any:
+def make_send_node(tensors: list[torch.Tensor]) -> tuple[Any, Any]:
     """A SendRpcBackward node whose next functions are the edges of ``tensors`` (which all
-    require grad)."""
+    require grad), and what must be kept to keep the node alive (None where the node object
+    does that itself: ``NODE_NEEDS_AN_OUTPUT``)."""
     if not _grad_enabled():
         with torch.enable_grad():
             return make_send_node(tensors)
     outputs = SendRpc.apply(*tensors) if _functorch_active() else _send_apply(*tensors)
-    return outputs[0].grad_fn
+    return outputs[0].grad_fn, (outputs[-1] if NODE_NEEDS_AN_OUTPUT else None)
 
 
 def attach_recv_node(
     tensors: list[torch.Tensor], context_id: int, message_id: int, from_worker: int, in_response: bool = False
-) -> Any:
+) -> tuple[Any, Any]:
     """Make a RecvRpcBackward node the grad_fn of ``tensors`` (received, requiring grad), in
     place: the payload the tensors came in already refers to these tensor objects (possibly
-    from inside unpickled objects), so their contents are swapped, not the objects."""
+    from inside unpickled objects), so their contents are swapped, not the objects. Returns
+    the node and what keeps it alive, as ``make_send_node``."""
     if not _grad_enabled():
         with torch.enable_grad():
             return attach_recv_node(tensors, context_id, message_id, from_worker, in_response)
@@ -257,7 +284,7 @@ def attach_recv_node(
     for tensor, output in zip(tensors, outputs):
         _swap(tensor, output)
     received.extend([_weak(t) for t in tensors])  # after the swap: its fast way needs no weak references
-    return tensors[0].grad_fn
+    return tensors[0].grad_fn, (outputs[-1] if NODE_NEEDS_AN_OUTPUT else None)
 
 
 _weak = weakref.ref
