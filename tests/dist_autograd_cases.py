@@ -87,7 +87,8 @@ class SpmdCase:
 
     def assertEqual(self, first, second, msg=None):
         if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
-            torch.testing.assert_close(first, second, check_dtype=False, msg=msg)
+            # (torch's TestCase.assertEqual compares across devices unless exact_device is set)
+            torch.testing.assert_close(first, second, check_dtype=False, check_device=False, msg=msg)
         elif isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor):
             self._case.assertEqual(len(first), len(second), msg)
             for a, b in zip(first, second):
@@ -2557,15 +2558,19 @@ class OwnRpcDistAutogradTest(SpmdCase):
         rpc.shutdown()
 
 
-class TensorPipeCudaDistAutogradTest(SpmdCase):
-    @own_rpc
-    @requires_gpus(4)
-    def test_device_maps_backward_pass(self):
+class _DeviceMapCases(SpmdCase):
+    """The bodies of upstream's device-map tests (TensorPipeCudaDistAutogradTest), with the
+    GPU of each rank left to ``_gpu``: upstream puts rank r on cuda:r, which takes 4 GPUs;
+    OneGpuDistAutogradTest puts every rank on cuda:0, so that the same tests run on one."""
+
+    def _gpu(self, rank):
+        raise NotImplementedError
+    def _device_maps_backward_pass(self):
         options = self.rpc_backend_options
         dst = worker_name((self.rank + 1) % self.world_size)
 
         # The reverse of this device mapping should be used for the backward pass.
-        options.set_device_map(dst, {self.rank: (self.rank + 1) % self.world_size})
+        options.set_device_map(dst, {self._gpu(self.rank): self._gpu((self.rank + 1) % self.world_size)})
 
         rpc.init_rpc(
             name=worker_name(self.rank),
@@ -2575,8 +2580,8 @@ class TensorPipeCudaDistAutogradTest(SpmdCase):
             rpc_backend_options=options,
         )
 
-        t1 = torch.rand(10, device=self.rank, requires_grad=True)
-        t2 = torch.rand(10, device=self.rank, requires_grad=True)
+        t1 = torch.rand(10, device=self._gpu(self.rank), requires_grad=True)
+        t2 = torch.rand(10, device=self._gpu(self.rank), requires_grad=True)
         with dist_autograd.context() as context_id:
             res = rpc.rpc_sync(dst, torch.add, args=(t1, t2))
             dist_autograd.backward(context_id, [res.sum()])
@@ -2601,14 +2606,12 @@ class TensorPipeCudaDistAutogradTest(SpmdCase):
         def forward(self, input):
             return self.next_stage.rpc_sync().forward(input)
 
-    @own_rpc
-    @requires_gpus(4)
-    def test_dist_autograd_sync_streams(self):
+    def _dist_autograd_sync_streams(self):
         options = self.rpc_backend_options
         dst = worker_name((self.rank + 1) % self.world_size)
 
         # The reverse of this device mapping should be used for the backward pass.
-        options.set_device_map(dst, {self.rank: (self.rank + 1) % self.world_size})
+        options.set_device_map(dst, {self._gpu(self.rank): self._gpu((self.rank + 1) % self.world_size)})
 
         rpc.init_rpc(
             name=worker_name(self.rank),
@@ -2618,10 +2621,10 @@ class TensorPipeCudaDistAutogradTest(SpmdCase):
             rpc_backend_options=options,
         )
 
-        remote_compute = rpc.remote(dst, TensorPipeCudaDistAutogradTest.MyRemoteCompute)
-        local_compute = TensorPipeCudaDistAutogradTest.MyLocalCompute(remote_compute)
+        remote_compute = rpc.remote(dst, _DeviceMapCases.MyRemoteCompute)
+        local_compute = _DeviceMapCases.MyLocalCompute(remote_compute)
         for _ in range(10):
-            input = torch.rand([1000, 10000], device=self.rank, requires_grad=True)
+            input = torch.rand([1000, 10000], device=self._gpu(self.rank), requires_grad=True)
             # Run local autograd
             result = input * 2.0
             r = random.random()
@@ -2640,12 +2643,10 @@ class TensorPipeCudaDistAutogradTest(SpmdCase):
 
         rpc.shutdown()
 
-    @own_rpc
-    @requires_gpus(4)
-    def test_gradients_synchronizations(self):
+    def _gradients_synchronizations(self):
         options = self.rpc_backend_options
         for peer_rank in range(self.world_size):
-            options.set_device_map(worker_name(peer_rank), {self.rank: peer_rank})
+            options.set_device_map(worker_name(peer_rank), {self._gpu(self.rank): self._gpu(peer_rank)})
 
         rpc.init_rpc(
             name=worker_name(self.rank),
@@ -2658,15 +2659,15 @@ class TensorPipeCudaDistAutogradTest(SpmdCase):
         if self.rank == 0:
             # this is master
             layers = [nn.Linear(2000, 2000) for _ in range(self.world_size - 1)]
-            local_layers = [l.to(0) for l in layers]
+            local_layers = [l.to(self._gpu(0)) for l in layers]
             remote_layers = [
                 rpc.remote(
-                    worker_name(rank), WrapperModule, args=(layers[rank - 1], rank)
+                    worker_name(rank), WrapperModule, args=(layers[rank - 1], self._gpu(rank))
                 )
                 for rank in range(1, self.world_size)
             ]
 
-            x = torch.randn(5000, 2000).to(0)
+            x = torch.randn(5000, 2000).to(self._gpu(0))
             # local iteration
             local_model = nn.Sequential(*local_layers)
             local_model(x).sum().backward()
@@ -2688,4 +2689,49 @@ class TensorPipeCudaDistAutogradTest(SpmdCase):
                         self.assertEqual(g1, g2)
 
         rpc.shutdown()
+
+
+class TensorPipeCudaDistAutogradTest(_DeviceMapCases):
+    def _gpu(self, rank):
+        return rank
+
+    @own_rpc
+    @requires_gpus(4)
+    def test_device_maps_backward_pass(self):
+        self._device_maps_backward_pass()
+
+    @own_rpc
+    @requires_gpus(4)
+    def test_dist_autograd_sync_streams(self):
+        self._dist_autograd_sync_streams()
+
+    @own_rpc
+    @requires_gpus(4)
+    def test_gradients_synchronizations(self):
+        self._gradients_synchronizations()
+
+
+class OneGpuDistAutogradTest(_DeviceMapCases):
+    """Not upstream: its device-map tests with every rank on cuda:0 (maps {0: 0}), for a
+    machine with one GPU. CUDA tensors still travel as CUDA tensors (staged through pinned
+    host memory) and gradients come back through the inverse map; what one GPU cannot show
+    is a tensor landing on another device than it left."""
+
+    def _gpu(self, rank):
+        return 0
+
+    @own_rpc
+    @requires_gpus(1)
+    def test_device_maps_backward_pass_on_one_gpu(self):
+        self._device_maps_backward_pass()
+
+    @own_rpc
+    @requires_gpus(1)
+    def test_dist_autograd_sync_streams_on_one_gpu(self):
+        self._dist_autograd_sync_streams()
+
+    @own_rpc
+    @requires_gpus(1)
+    def test_gradients_synchronizations_on_one_gpu(self):
+        self._gradients_synchronizations()
 

@@ -127,3 +127,73 @@ def test_cuda_tensors_follow_the_map_there_and_its_inverse_back():
     assert ("mapped", "cuda:0", [1.0, 2.0, 3.0, 4.0]) in got, got
     unmapped = [g for g in got if g[0] == "unmapped"]
     assert unmapped and "only supports CPU tensors by default" in unmapped[0][2], got
+
+
+def _echo(value):
+    return value
+
+
+def _dense_cpu(tensor):
+    return (tensor.to_dense() if tensor.is_sparse else tensor).cpu()
+
+
+def _ipc_pair(rank, init_method, cuda_ipc, results):
+    """Rank 0 sends CUDA tensors of every kind to rank 1 and gets them back; reports what
+    came back and how many bytes went over the transport to rank 1."""
+    try:
+        options = rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=30, cuda_ipc=cuda_ipc)
+        options.set_device_map(f"w{1 - rank}", {0: 0})
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+        if rank == 0:
+            torch.manual_seed(0)
+            big = torch.randn(1 << 20, device="cuda:0")  # 4 MiB
+            sent = {
+                "big": big,
+                "strided": torch.randn(64, 48, device="cuda:0").t()[::2],
+                "view into a big storage": big[1000:1010],
+                "complex conj": torch.randn(5, dtype=torch.complex64, device="cuda:0").conj(),
+                "half": torch.randn(7, device="cuda:0").half(),
+                "sparse": torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), device="cuda:0"),
+                "empty": torch.empty(0, 3, device="cuda:0"),
+            }
+            endpoint = rpc.api._current().endpoint
+            before = endpoint.stats()["1"]
+            back = rpc.rpc_sync("w1", _echo, args=(sent,))
+            after = endpoint.stats()["1"]
+            # Bytes through the socket or ring, and buffers the peer read from our memory.
+            moved = (after.bytes_sent - before.bytes_sent, after.buffers_lent - before.buffers_lent)
+            same = {name: (str(back[name].device), bool(torch.equal(_dense_cpu(back[name]), _dense_cpu(tensor))))
+                    for name, tensor in sent.items()}
+            # What the callee gets is the tensor as it was when sent: written after, not before.
+            x = torch.zeros(1 << 18, device="cuda:0")
+            future = rpc.rpc_async("w1", _echo, args=(x,))
+            x.add_(1)
+            snapshot = bool(torch.equal(future.wait().cpu(), torch.zeros(1 << 18)))
+            # Many at once: the callee's pool threads answer (share CUDA memory) concurrently,
+            # which crashed a worker before cuda_ipc.share took a lock (a SIGSEGV in torch).
+            futures = [rpc.rpc_async("w1", _echo, args=(torch.full((4096,), float(i), device="cuda:0"),))
+                       for i in range(300)]
+            concurrent = all(bool((f.wait() == i).all()) for i, f in enumerate(futures))
+            results.put(("sent", same, moved, snapshot and concurrent))
+        rpc.shutdown()
+        if rank == 1:
+            results.put(("served",))
+    except Exception as exc:  # noqa: BLE001
+        results.put(("error", type(exc).__name__, str(exc)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda_ipc", [True, False])
+def test_cuda_tensors_to_a_worker_on_this_host_go_by_ipc_unless_told_not_to(cuda_ipc):
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    got = spawn_and_collect(_ipc_pair, [(0, init_method, cuda_ipc), (1, init_method, cuda_ipc)])
+    reports = [g for g in got if g[0] != "served"]
+    assert len(reports) == 1 and reports[0][0] == "sent", got
+    (report,) = reports
+    _, same, (sent_bytes, lent), snapshot = report
+    assert same == {name: ("cuda:0", True) for name in same}, same
+    assert snapshot
+    if cuda_ipc:  # handles only: the 4 MiB stay on the GPU
+        assert sent_bytes < 64 << 10 and lent == 0, (sent_bytes, lent)
+    else:  # staged: the bytes go through the transport (sent, or lent from the staging buffer)
+        assert sent_bytes > 4 << 20 or lent >= 1, (sent_bytes, lent)

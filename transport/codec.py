@@ -261,11 +261,13 @@ class Codec:
 
     # -------------------------------------------------------------------------------- encode
 
-    def encode(self, message: Message, tensors: list | None = None, placement: Callable | None = None) -> list[Any]:
+    def encode(self, message: Message, tensors: list | None = None, placement: Callable | None = None,
+               cuda_ipc: bool = False) -> list[Any]:
         """Frames for ``message``: the envelope, then one buffer per tensor. ``tensors``, when
         given, receives the tensors found in the payload. ``placement(device)``, when given,
         names the device each CUDA tensor is to land on at the receiver (a device map applied
-        by the sender); it may raise ``DeviceMapError``."""
+        by the sender); it may raise ``DeviceMapError``. ``cuda_ipc``: the receiver is another
+        process on this host, which opens CUDA tensors in our GPU memory (transport/cuda_ipc.py)."""
         if not isinstance(message.type, int) or message.type not in MessageType._by_code:
             raise LocalProtocolError(f"unknown message type {message.type!r}")
         if not isinstance(message.id, int) or not 0 <= message.id <= MAX_MESSAGE_ID:
@@ -273,7 +275,7 @@ class Codec:
         sender = message.sender
         if type(sender) is not str or len(sender) > MAX_SENDER_LENGTH:
             _check_sender(sender, LocalProtocolError)
-        encoder = TensorEncoder(1, self.copy_threshold, self.pinned_pool, tensors, placement)
+        encoder = TensorEncoder(1, self.copy_threshold, self.pinned_pool, tensors, placement, cuda_ipc)
         payload = _PayloadPacker(self, encoder).pack(message.payload)
         # (The plain packer packs a MessageType, an int subclass, as the int it is.)
         envelope = _packers.plain.pack([PROTOCOL_VERSION, message.type, message.id, sender, payload])

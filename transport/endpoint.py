@@ -622,6 +622,12 @@ class Endpoint:
         self._dispatch_queue.put(None if function is None else (function, args))
         self._dispatch_waiter.wake()
 
+    def reads_our_memory(self, peer: str) -> bool:
+        """Whether ``peer`` is a process of our host that reads our memory (it verified
+        that it can: transport/lending.py), so it can also open our GPU memory."""
+        record = self._peers.get(peer)
+        return record is not None and record.lend
+
     def through_shared_memory(self, peer: str) -> bool:
         """Whether messages to ``peer`` go through a shared-memory ring now (transport/shm.py)."""
         record = self._peers.get(peer)

@@ -31,6 +31,7 @@ from typing import Any, Union
 
 import torch
 
+from . import cuda_ipc
 from .errors import DeviceMapError, LocalProtocolError, RemoteProtocolError
 from .staging import PinnedBufferPool, default_pool
 
@@ -126,8 +127,12 @@ class TensorEncoder:
         pinned_pool: PinnedBufferPool | None = None,
         collected: list | None = None,
         placement: Callable[[torch.device], str] | None = None,
+        cuda_ipc: bool = False,
     ):
         self.buffers: list[Buffer] = []
+        # Whether the receiver opens CUDA tensors in our GPU memory (transport/cuda_ipc.py)
+        # instead of receiving them staged through host memory.
+        self._cuda_ipc = cuda_ipc
         # Where each CUDA tensor is to land at the receiver (a device map applied by the
         # sender); None: on the device of the same name.
         self._placement = placement
@@ -163,6 +168,11 @@ class TensorEncoder:
         data = tensor
         if name in _COMPLEX_NAMES and (data.is_conj() or data.is_neg()):
             data = data.detach().resolve_conj().resolve_neg()
+        if self._cuda_ipc and data.is_cuda and data.numel():
+            device = self._placement(data.device) if self._placement is not None else str(data.device)
+            descriptor = cuda_ipc.share(data, name, device)
+            if descriptor is not None:
+                return descriptor
         strides: list[int] | None = None
         if not data.is_contiguous():
             if data.is_cpu and _dense_span(data) is not None:
@@ -275,6 +285,8 @@ class TensorDecoder:
             tensor = self._dense(descriptor)
         elif kind == SPARSE_COO:
             tensor = self._sparse(descriptor)
+        elif kind == cuda_ipc.CUDA_IPC:
+            tensor = self._shared_cuda(descriptor)
         else:
             raise RemoteProtocolError(f"unknown tensor kind {kind!r:.40}")
         if self.collected is not None:
@@ -323,6 +335,21 @@ class TensorDecoder:
             tensor.requires_grad_(True)
         return tensor
 
+    def _shared_cuda(self, d: list) -> torch.Tensor:
+        dtype, shape, device, requires_grad, shared = cuda_ipc.parse(d, DTYPES_BY_NAME)
+        tensor = cuda_ipc.open_copy(dtype, shape, shared, resolve_device(device, self._device_map))
+        if requires_grad:
+            tensor.requires_grad_(True)
+        return tensor
+
+    def _part(self, d: Any) -> torch.Tensor | None:
+        """A sparse tensor's indices or values (a dense or CUDA IPC descriptor); None if not one."""
+        if isinstance(d, list) and d[:1] == [DENSE]:
+            return self._dense(d)
+        if isinstance(d, list) and d[:1] == [cuda_ipc.CUDA_IPC]:
+            return self._shared_cuda(d)
+        return None
+
     def _sparse(self, d: list) -> torch.Tensor:
         if len(d) != 6:
             raise RemoteProtocolError(f"sparse tensor descriptor has {len(d)} fields, expected 6")
@@ -330,8 +357,7 @@ class TensorDecoder:
         shape = _check_dims("shape", shape)
         if not isinstance(coalesced, bool) or not isinstance(requires_grad, bool):
             raise RemoteProtocolError("sparse descriptor has malformed flags")
-        indices = self._dense(indices_d) if isinstance(indices_d, list) and indices_d[:1] == [DENSE] else None
-        values = self._dense(values_d) if isinstance(values_d, list) and values_d[:1] == [DENSE] else None
+        indices, values = self._part(indices_d), self._part(values_d)
         if indices is None or values is None:
             raise RemoteProtocolError("sparse descriptor must hold dense indices and values descriptors")
         if indices.dtype != torch.int64 or indices.dim() != 2 or indices.requires_grad:

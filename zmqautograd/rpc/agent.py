@@ -46,6 +46,8 @@ from ..autograd.context import ContextContainer
 
 log = logging.getLogger(__name__)
 
+_cuda_initialized = torch.cuda.is_initialized  # False: no CUDA tensor can exist in this process
+
 EXT_RREF = 18
 
 
@@ -212,6 +214,7 @@ class Agent:
         self.options = options
         self.rank = rendezvous.rank
         self._me = str(self.rank)  # our name on the wire
+        self.cuda_ipc = options.cuda_ipc
         self.info = WorkerInfo(name, self.rank)
         self.default_timeout = options.rpc_timeout
         host = advertise_address(rendezvous.master_addr, options.advertise_address)
@@ -383,7 +386,8 @@ class Agent:
             pending.timer = timers.call_later(timeout, self._expire, message_id)
         tensors = [] if autograd is not None else None  # only recording needs them
         try:
-            frames = self.codec.encode(message, tensors, placement or self.placement.request(info.name))
+            frames = self.codec.encode(message, tensors, placement or self.placement.request(info.name),
+                                       self._cuda_ipc_to(str(info.id)))
             if autograd is not None and not sync:
                 autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
             self._transmit(info, message, frames)
@@ -411,6 +415,12 @@ class Agent:
         """Releases that were to ride on a request that did not leave go with the next one."""
         if releases is not None:
             self.autograd.cleanups.add(info.id, releases[1], releases[0])
+
+    def _cuda_ipc_to(self, peer: str) -> bool:
+        """Whether CUDA tensors for endpoint peer ``peer`` go by CUDA IPC (transport/cuda_ipc.py):
+        it is another process of this host, and this process uses CUDA at all (a cheap test
+        first, that spares CPU-only calls the lookup)."""
+        return self.cuda_ipc and _cuda_initialized() and self.endpoint.reads_our_memory(peer)
 
     def _transmit(self, info: WorkerInfo, message: Message, frames: list) -> None:
         """Hand an encoded request to the transport, or to our own pool for a self call
@@ -481,7 +491,9 @@ class Agent:
         payload = {"f": encode_function(function), "a": list(args or ()), "k": {}, "n": 1}
         message = Message(message_type, next(self._ids), self._me, payload)
         try:
-            self._transmit(info, message, self.codec.encode(message, None, placement or self.placement.request(info.name)))
+            frames = self.codec.encode(message, None, placement or self.placement.request(info.name),
+                                       self._cuda_ipc_to(str(info.id)))
+            self._transmit(info, message, frames)
         except (TransportError, SerializationError) as exc:
             raise _with_context(exc, f"cannot send a one-way call to {info}") from None
 
@@ -676,7 +688,8 @@ class Agent:
         try:
             tensors = [] if context is not None else None  # only recording needs them
             caller = self.workers_by_id.get(int(to)) if to.isdigit() else None
-            frames = self.codec.encode(reply, tensors, self.placement.response(caller.name if caller else to))
+            frames = self.codec.encode(reply, tensors, self.placement.response(caller.name if caller else to),
+                                       self._cuda_ipc_to(to))
         except (LocalProtocolError, SerializationError, DeviceMapError) as exc:
             # The result itself cannot travel (or has no device map back): the caller gets
             # that as its error.
@@ -703,10 +716,15 @@ class Agent:
         finally:
             if context is not None:
                 self._record_answer(context, metadata, tensors, to)
-        if context is not None and not self.pool.has_work() and self.pool.owns_current_thread():
+        if context is not None and self.pool.owns_current_thread():
             # While the caller computes (engine.py); not on other threads (an async
             # function's answer may be sent from a timer's or another call's callback).
-            autograd_engine.prepare_plan(context)
+            # Calls waiting here go first: the plan is built after them (the caller's next
+            # call may well be one of them, sent as soon as this answer arrived).
+            if not self.pool.has_work():
+                autograd_engine.prepare_plan(context)
+            elif context.plan_cache is None:
+                self.pool.submit(autograd_engine.prepare_plan, context)
 
     def _record_answer(self, context: Any, metadata: list, tensors: list, to: str) -> None:
         """The send function of an answer that left (see ``_reply``)."""

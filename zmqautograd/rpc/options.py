@@ -61,6 +61,12 @@ class ZmqRpcBackendOptions:
         lend_cache: bytes. The buffers such tensors are read into are reused once the tensors
             are gone (no page faults on reuse); idle ones are kept up to this many bytes. 0:
             a new buffer for every tensor.
+        cuda_ipc: opt-in. CUDA tensors to a worker on the same host (one that reads this
+            worker's memory: ``lend_min`` > 0) are copied by the receiver straight out of
+            this worker's GPU memory (CUDA IPC, transport/cuda_ipc.py) instead of being
+            staged through pinned host memory: 64 MiB round trips 0.70-0.73x TensorPipe's
+            time instead of 26-28x (docs/performance.md). Off by default until the fix of
+            a crash it caused under concurrent sends has run on a GPU.
         shm_ring: messages to a worker on the same host go through a ring of this many bytes
             in shared memory instead of a socket (docs/transport.md, "Shared-memory rings");
             0 turns that off.
@@ -91,6 +97,7 @@ class ZmqRpcBackendOptions:
     busy_poll: float = 0.0
     lend_min: int = DEFAULT_LEND_MIN
     lend_cache: int = DEFAULT_LEND_CACHE
+    cuda_ipc: bool = False
     shm_ring: int = DEFAULT_SHM_RING
     spin: float = DEFAULT_SPIN
     messages_to_fail: list[str] = field(default_factory=list)
