@@ -220,8 +220,10 @@ def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -
     rpc.shutdown()
 
 
-def _join_alone(rank: int, world: int, framework: str, busy_poll: float, port: int) -> tuple:
-    """``init_rpc`` of one framework alone ("tp" or "zmq"): its rpc and autograd modules."""
+def _join_alone(rank: int, world: int, framework: str, busy_poll: float, port: int,
+                device_maps: dict | None = None, **zmq_options) -> tuple:
+    """``init_rpc`` of one framework alone ("tp" or "zmq"): its rpc and autograd modules.
+    ``device_maps``: peer name -> device map; ``zmq_options``: more ZmqRpcBackendOptions."""
     if framework == "tp":
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port)
@@ -229,7 +231,10 @@ def _join_alone(rank: int, world: int, framework: str, busy_poll: float, port: i
         options = tp_rpc.TensorPipeRpcBackendOptions(num_worker_threads=16)
     else:
         rpc, autograd = zmq_rpc, zmq_autograd
-        options = zmq_rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", busy_poll=busy_poll)
+        options = zmq_rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", busy_poll=busy_poll,
+                                               **zmq_options)
+    for peer, mapping in (device_maps or {}).items():
+        options.set_device_map(peer, mapping)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     return rpc, autograd
 

@@ -28,13 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-import torch.distributed.autograd as tp_autograd  # noqa: E402
-import torch.distributed.rpc as tp_rpc  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-import zmqautograd.autograd as zmq_autograd  # noqa: E402
-import zmqautograd.rpc as zmq_rpc  # noqa: E402
-from tools.bench import _free_port, identity  # noqa: E402
+from tools.bench import _free_port, _join_alone, identity  # noqa: E402
 
 SIZES = (("4 KiB", 1 << 10), ("1 MiB", 1 << 18), ("16 MiB", 1 << 22), ("64 MiB", 1 << 24))  # float32 elements
 COLUMNS = tuple(f"{title} round trip" for title, _ in SIZES) + ("one hop fwd+bwd", "pipeline step")
@@ -93,17 +89,11 @@ def pipeline(rpc, autograd, calls: int) -> float:
 
 def run_alone(rank: int, framework: str, port: int, results) -> None:
     torch.cuda.set_device(0)
+    maps = {f"worker{1 - rank}": {0: 0}}
     if framework == "tp":
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        rpc, autograd = tp_rpc, tp_autograd
-        options = tp_rpc.TensorPipeRpcBackendOptions(num_worker_threads=16)
-    else:
-        rpc, autograd = zmq_rpc, zmq_autograd
-        # "zmq-staged": CUDA IPC off, tensors staged through pinned host memory.
-        options = zmq_rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", cuda_ipc=framework == "zmq")
-    options.set_device_map(f"worker{1 - rank}", {0: 0})
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+        rpc, autograd = _join_alone(rank, 2, "tp", 0.0, port, maps)
+    else:  # "zmq-staged": CUDA IPC off, tensors staged through pinned host memory
+        rpc, autograd = _join_alone(rank, 2, "zmq", 0.0, port, maps, cuda_ipc=framework == "zmq")
     if rank == 0:
         measures = [lambda t=torch.randn(n, device="cuda:0"), c=max(3, min(200, (64 << 20) // (4 * n))): round_trip(rpc, t, c)
                     for _, n in SIZES]

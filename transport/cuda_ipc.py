@@ -48,6 +48,7 @@ def share(data: torch.Tensor, name: str, device: str) -> list | None:
     process of this host, to land on ``device`` there; None when it cannot be shared (memory
     PyTorch's caching allocator did not make), so the caller stages it instead."""
     snapshot = data.detach().clone(memory_format=torch.contiguous_format)
+    shape = list(snapshot.shape)
     with _share_lock:
         try:
             shared = snapshot.untyped_storage()._share_cuda_()
@@ -56,7 +57,7 @@ def share(data: torch.Tensor, name: str, device: str) -> list | None:
         finally:
             del snapshot  # (under the lock: freeing it updates the same bookkeeping)
     (index, handle, storage_bytes, offset_bytes, counter_handle, counter_offset, event_handle, event_sync) = shared
-    return [CUDA_IPC, name, list(snapshot.shape), device, data.requires_grad,
+    return [CUDA_IPC, name, shape, device, data.requires_grad,
             [index, handle, storage_bytes, offset_bytes, counter_handle, counter_offset, event_handle, bool(event_sync)]]
 
 

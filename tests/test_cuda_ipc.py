@@ -1,0 +1,100 @@
+"""transport/cuda_ipc.py without a GPU: what the sender puts in a descriptor, with a stand-in
+for the CUDA tensor, and the lock around torch's sharing (the CUDA runs are in
+test_devices.py and need a GPU)."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from transport import cuda_ipc
+from transport.tensors import DTYPES_BY_NAME
+
+SHARED = (0, b"handle", 4096, 512, b"/torch_counters", 3, b"event", 1)
+
+
+class _FakeStorage:
+    def __init__(self, owner):
+        self.owner = owner
+
+    def _share_cuda_(self):
+        # torch's bookkeeping must not be touched by two threads at once, nor while a
+        # shared snapshot is freed: record whether the lock was held here.
+        self.owner.log.append(("share", cuda_ipc._share_lock.locked()))
+        return SHARED
+
+
+class _FakeCudaTensor:
+    """Stands in for a CUDA tensor: clone() makes the snapshot that gets shared."""
+
+    def __init__(self, log, shape=(4, 8), requires_grad=True):
+        self.log, self.shape, self.requires_grad = log, torch.Size(shape), requires_grad
+        self.snapshots = []
+
+    def detach(self):
+        return self
+
+    def clone(self, memory_format=None):
+        snapshot = _FakeCudaTensor(self.log, self.shape, False)
+        self.snapshots.append(weakref.ref(snapshot, lambda _: self.log.append(("freed", cuda_ipc._share_lock.locked()))))
+        return snapshot
+
+    def untyped_storage(self):
+        return _FakeStorage(self)
+
+
+def test_a_shared_snapshot_makes_a_descriptor_the_receiver_accepts_and_is_freed_under_the_lock():
+    log = []
+    tensor = _FakeCudaTensor(log)
+    descriptor = cuda_ipc.share(tensor, "float32", "cuda:0")
+    assert descriptor == ["cuda_ipc", "float32", [4, 8], "cuda:0", True, [0, b"handle", 4096, 512, b"/torch_counters", 3, b"event", True]]
+    # Shared and freed (the sender keeps nothing), both while holding the lock.
+    assert log == [("share", True), ("freed", True)]
+    assert not cuda_ipc._share_lock.locked()
+    dtype, shape, device, requires_grad, shared = cuda_ipc.parse(descriptor, DTYPES_BY_NAME)
+    assert (dtype, shape, device, requires_grad, shared) == (torch.float32, [4, 8], "cuda:0", True, descriptor[5])
+
+
+def test_memory_torch_cannot_share_is_staged_instead():
+    class Unshareable(_FakeStorage):
+        def _share_cuda_(self):
+            raise RuntimeError("not from the caching allocator")
+
+    tensor = _FakeCudaTensor([])
+    tensor.untyped_storage = lambda: Unshareable(tensor)
+    snapshot_of = tensor.clone
+    tensor.clone = lambda memory_format=None: (lambda s: (setattr(s, "untyped_storage", lambda: Unshareable(s)), s)[1])(snapshot_of())
+    assert cuda_ipc.share(tensor, "float32", "cuda:0") is None
+    assert not cuda_ipc._share_lock.locked()
+
+
+def test_threads_share_one_at_a_time():
+    inside, most = [0], [0]
+    guard = threading.Lock()
+
+    class Slow(_FakeStorage):
+        def _share_cuda_(self):
+            with guard:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            threading.Event().wait(0.002)  # long enough for the other threads to arrive
+            with guard:
+                inside[0] -= 1
+            return SHARED
+
+    def share_many():
+        for _ in range(20):
+            tensor = _FakeCudaTensor([])
+            snapshot_of = tensor.clone
+            tensor.clone = lambda memory_format=None, make=snapshot_of: (lambda s: (setattr(s, "untyped_storage", lambda: Slow(s)), s)[1])(make())
+            assert cuda_ipc.share(tensor, "float32", "cuda:0")[0] == "cuda_ipc"
+
+    threads = [threading.Thread(target=share_many) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    assert most[0] == 1
