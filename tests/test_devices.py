@@ -28,6 +28,12 @@ def test_device_maps_are_normalised_and_must_be_one_to_one():
         to_device_map({"meta": 0})
 
 
+def test_cuda_ipc_needs_the_same_host_detection_of_lending():
+    with pytest.raises(ValueError, match="cuda_ipc needs lend_min > 0"):
+        rpc.ZmqRpcBackendOptions(cuda_ipc=True, lend_min=0)
+    assert rpc.ZmqRpcBackendOptions(cuda_ipc=True).cuda_ipc and not rpc.ZmqRpcBackendOptions().cuda_ipc
+
+
 def test_set_device_map_adds_entries_and_refuses_conflicts():
     options = rpc.ZmqRpcBackendOptions(device_maps={"w1": {0: 1}})
     options.set_device_map("w1", {1: 0})

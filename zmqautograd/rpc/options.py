@@ -113,6 +113,9 @@ class ZmqRpcBackendOptions:
     def __post_init__(self) -> None:
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if self.cuda_ipc and not self.lend_min:
+            # Which workers share this host is what lending finds out (transport/lending.py).
+            raise ValueError("cuda_ipc needs lend_min > 0: lending is how workers learn they share a host")
         maps, self.device_maps = self.device_maps or {}, {}
         for to, device_map in maps.items():
             self.set_device_map(to, device_map)
