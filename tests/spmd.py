@@ -6,18 +6,27 @@ joins a gloo process group (for ``dist.barrier()``) and the RPC group, then runs
 on command and reports the outcome. After every test each worker checks that it holds no
 autograd context any more (a leak fails the test). A test that kills workers or leaves
 them hung runs in a group of its own that is torn down afterwards.
+
+A test that hangs or crashes a worker fails with the Python stacks of every thread of the
+workers that did not answer: each worker has faulthandler write them to a file of its own
+(on a fatal signal, and a few seconds before the harness gives up on the test), which the
+harness reads into the failure.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
 import socket
+import tempfile
+import time
 import traceback
 from typing import Any
 
 LEAK_WAIT = 10.0
+STACKS_AHEAD = 5.0  # seconds before the harness gives up on a test that its workers dump their stacks
 
 
 def _free_port() -> int:
@@ -27,7 +36,10 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name: str, options: dict, conn,
-            setup_rpc: bool = True) -> None:
+            setup_rpc: bool = True, stacks_path: str | None = None) -> None:
+    stacks = open(stacks_path, "w") if stacks_path else None  # noqa: SIM115 - open for the process's life
+    if stacks is not None:
+        faulthandler.enable(stacks, all_threads=True)  # a crash (SIGSEGV, ...) leaves its stacks there
     import torch.distributed as dist
 
     import zmqautograd.autograd as dist_autograd
@@ -50,7 +62,12 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
         command = conn.recv()
         if command is None:
             break
-        class_name, test_name, destructive = command
+        class_name, test_name, destructive, timeout = command
+        if stacks is not None:
+            os.ftruncate(stacks.fileno(), 0)  # only this test's stacks
+            os.lseek(stacks.fileno(), 0, os.SEEK_SET)
+            if timeout > STACKS_AHEAD:
+                faulthandler.dump_traceback_later(timeout - STACKS_AHEAD, file=stacks)
         module.reset_state()
         if setup_rpc:
             rpc._set_rpc_timeout(default_timeout)
@@ -66,6 +83,7 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
         except BaseException:  # noqa: BLE001
             outcome = ("error", traceback.format_exc())
         if destructive:  # torch's dist_init(clean_shutdown=False): leave without shutdown
+            faulthandler.cancel_dump_traceback_later()
             conn.send(outcome)
             if rank == 0:  # it hosts the process group's store, which others may still read:
                 conn.recv()  # it stays until the harness kills the group
@@ -75,6 +93,7 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
             if not container.wait_released(None, LEAK_WAIT):
                 outcome = ("error", f"rank {rank}: {container.count()} autograd context(s) left after the test")
         dist.barrier()
+        faulthandler.cancel_dump_traceback_later()  # (after the barrier: a rank stuck there is reported too)
         conn.send(outcome)
     if setup_rpc:
         rpc.shutdown()
@@ -105,10 +124,12 @@ class SpmdGroup:
         pg_port, rpc_port = _free_port(), _free_port()
         self.conns = []
         self.processes = []
+        self._stacks = tempfile.TemporaryDirectory(prefix="spmd-stacks-")
+        self.stacks_paths = [os.path.join(self._stacks.name, f"rank{rank}") for rank in range(world_size)]
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             process = ctx.Process(target=_worker, args=(rank, world_size, pg_port, rpc_port, module_name, options, child,
-                                                        setup_rpc), daemon=True)
+                                                        setup_rpc, self.stacks_paths[rank]), daemon=True)
             process.start()
             self.conns.append(parent)
             self.processes.append(process)
@@ -120,20 +141,34 @@ class SpmdGroup:
                 raise error(f"worker {rank} failed to start:\n{detail}")
 
     def _receive(self, rank: int, conn, timeout: float) -> tuple[str, Any]:
-        if not conn.poll(timeout):
+        if not conn.poll(max(timeout, 0.0)):
             alive = self.processes[rank].is_alive()
-            return "error", f"rank {rank}: no answer within {timeout} s (process {'alive' if alive else 'dead'})"
+            return "error", (f"rank {rank}: no answer within the test's time (process {'alive' if alive else 'dead'})"
+                             + self._stacks_of(rank))
         try:
             return conn.recv()
         except EOFError:
-            return "error", f"rank {rank}: process exited (code {self.processes[rank].exitcode})"
+            self.processes[rank].join(5)
+            return "error", f"rank {rank}: process exited (code {self.processes[rank].exitcode})" + self._stacks_of(rank)
+
+    def _stacks_of(self, rank: int) -> str:
+        """What faulthandler wrote for ``rank`` (see the module's docstring), if anything."""
+        paths = getattr(self, "stacks_paths", None)
+        try:
+            with open(paths[rank]) as f:
+                text = f.read().strip()
+        except (OSError, TypeError, IndexError):
+            return ""
+        return f"\nits threads:\n{text}" if text else ""
 
     def run(self, class_name: str, test_name: str, timeout: float = 120, destructive: bool = False) -> None:
+        """Run a test on every rank; all must answer within ``timeout`` seconds in all."""
         for conn in self.conns:
-            conn.send((class_name, test_name, destructive))
+            conn.send((class_name, test_name, destructive, timeout))
+        deadline = time.monotonic() + timeout
         failures = []
         for rank, conn in enumerate(self.conns):
-            status, detail = self._receive(rank, conn, timeout)
+            status, detail = self._receive(rank, conn, deadline - time.monotonic())
             if status != "ok":
                 failures.append(f"--- rank {rank}:\n{detail}")
         if failures:
@@ -154,6 +189,9 @@ class SpmdGroup:
             if process.is_alive():
                 process.kill()
                 process.join(5)
+        stacks = getattr(self, "_stacks", None)
+        if stacks is not None:
+            stacks.cleanup()
 
 
 # ------------------------------------------------------------------- pytest integration
