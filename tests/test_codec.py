@@ -487,18 +487,22 @@ MALFORMED = {
         ),
         "uncoalesced",
     ),
-    "cuda ipc short": (forge(payload=tensor_ext(["cuda_ipc", "float32", [2], "cuda:0", False])), "expected 6"),
+    "cuda ipc short": (forge(payload=tensor_ext(["cuda_ipc", "float32", [2], "cuda:0", False])), "expected 7"),
     "cuda ipc bad handle": (
-        forge(payload=tensor_ext(["cuda_ipc", "float32", [2], "cuda:0", False, [0, "h", 8, 0, b"r", 0, None, False]])),
+        forge(payload=tensor_ext(["cuda_ipc", "float32", [2], "cuda:0", False, [0, "h", 8, 0, b"r", 0, None, False], None])),
         "malformed CUDA IPC handle",
     ),
     "cuda ipc past its allocation": (
-        forge(payload=tensor_ext(["cuda_ipc", "float32", [4], "cuda:0", False, [0, b"h", 8, 0, b"r", 0, None, False]])),
+        forge(payload=tensor_ext(["cuda_ipc", "float32", [4], "cuda:0", False, [0, b"h", 8, 0, b"r", 0, None, False], None])),
         "16 bytes in a shared allocation of 8",
     ),
     "cuda ipc grad on ints": (
-        forge(payload=tensor_ext(["cuda_ipc", "int64", [1], "cuda:0", True, [0, b"h", 8, 0, b"r", 0, None, False]])),
+        forge(payload=tensor_ext(["cuda_ipc", "int64", [1], "cuda:0", True, [0, b"h", 8, 0, b"r", 0, None, False], None])),
         "requires_grad",
+    ),
+    "cuda ipc uuid not a string": (
+        forge(payload=tensor_ext(["cuda_ipc", "float32", [2], "cuda:0", False, [0, b"h", 8, 0, b"r", 0, None, False], 7])),
+        "malformed GPU UUID",
     ),
     "unknown extension": (forge(payload=msgpack.ExtType(99, b"")), "unknown extension type 99"),
     "unknown tensor kind": (forge(payload=tensor_ext(["weird"])), "unknown tensor kind"),
@@ -592,10 +596,11 @@ def test_cuda_descriptor_on_a_host_without_that_device_is_a_clear_error():
 def test_a_cuda_ipc_handle_on_a_host_without_that_device_is_a_clear_error():
     from transport import DeviceMapError
 
-    frames = forge(payload=tensor_ext(["cuda_ipc", "float32", [2], "cpu", False, [7, b"h", 8, 0, b"r", 0, None, False]]))
-    if torch.cuda.device_count() <= 7:
-        with pytest.raises(DeviceMapError, match="cuda:7"):
-            CODEC.decode(frames)
+    for uuid in (None, "GPU-not-here"):
+        frames = forge(payload=tensor_ext(["cuda_ipc", "float32", [2], "cpu", False, [7, b"h", 8, 0, b"r", 0, None, False], uuid]))
+        if torch.cuda.device_count() <= 7:
+            with pytest.raises(DeviceMapError, match="cuda:7"):
+                CODEC.decode(frames)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import weakref
 
+import pytest
 import torch
 
 from transport import cuda_ipc
@@ -45,16 +46,39 @@ class _FakeCudaTensor:
         return _FakeStorage(self)
 
 
+@pytest.fixture(autouse=True)
+def _gpu_uuids(monkeypatch):
+    """No GPU here: the sender's GPU is named by a made-up UUID."""
+    monkeypatch.setattr(cuda_ipc, "_device_uuid", lambda index: f"GPU-{index}")
+
+
 def test_a_shared_snapshot_makes_a_descriptor_the_receiver_accepts_and_is_freed_under_the_lock():
     log = []
     tensor = _FakeCudaTensor(log)
     descriptor = cuda_ipc.share(tensor, "float32", "cuda:0")
-    assert descriptor == ["cuda_ipc", "float32", [4, 8], "cuda:0", True, [0, b"handle", 4096, 512, b"/torch_counters", 3, b"event", True]]
+    assert descriptor == ["cuda_ipc", "float32", [4, 8], "cuda:0", True,
+                          [0, b"handle", 4096, 512, b"/torch_counters", 3, b"event", True], "GPU-0"]
     # Shared and freed (the sender keeps nothing), both while holding the lock.
     assert log == [("share", True), ("freed", True)]
     assert not cuda_ipc._share_lock.locked()
-    dtype, shape, device, requires_grad, shared = cuda_ipc.parse(descriptor, DTYPES_BY_NAME)
-    assert (dtype, shape, device, requires_grad, shared) == (torch.float32, [4, 8], "cuda:0", True, descriptor[5])
+    parsed = cuda_ipc.parse(descriptor, DTYPES_BY_NAME)
+    assert parsed == (torch.float32, [4, 8], "cuda:0", True, descriptor[5], "GPU-0")
+
+
+def test_the_receiver_opens_a_handle_on_its_own_index_of_the_senders_gpu(monkeypatch):
+    """Processes with different CUDA_VISIBLE_DEVICES number one GPU differently."""
+    from transport import DeviceMapError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(cuda_ipc, "_device_uuid", lambda index: ["GPU-b", "GPU-a"][index])  # ours, reversed
+    monkeypatch.setattr(cuda_ipc, "_local_indices", None)
+    assert cuda_ipc._local_index("GPU-a", 0) == 1 and cuda_ipc._local_index("GPU-b", 1) == 0
+    assert cuda_ipc._local_index(None, 1) == 1  # a sender that could not tell: its index
+    with pytest.raises(DeviceMapError, match="does not see"):
+        cuda_ipc._local_index("GPU-c", 0)
+    with pytest.raises(DeviceMapError, match="does not have"):
+        cuda_ipc._local_index(None, 2)
 
 
 def test_memory_torch_cannot_share_is_staged_instead():

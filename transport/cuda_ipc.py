@@ -22,7 +22,10 @@ The mechanism is torch.multiprocessing's (``UntypedStorage._share_cuda_`` and
   the copy and gives the memory back to the sender.
 
 Only for peers on this host (the endpoint knows which: they read each other's memory,
-transport/lending.py) and never within one process (CUDA cannot open its own handles).
+transport/lending.py) and never within one process (CUDA cannot open its own handles). The
+descriptor names the GPU by its UUID as well as by the sender's index: processes whose
+CUDA_VISIBLE_DEVICES differ number the same GPU differently, and the receiver opens the
+handle on its own index of that GPU.
 """
 
 from __future__ import annotations
@@ -58,14 +61,44 @@ def share(data: torch.Tensor, name: str, device: str) -> list | None:
             del snapshot  # (under the lock: freeing it updates the same bookkeeping)
     (index, handle, storage_bytes, offset_bytes, counter_handle, counter_offset, event_handle, event_sync) = shared
     return [CUDA_IPC, name, shape, device, data.requires_grad,
-            [index, handle, storage_bytes, offset_bytes, counter_handle, counter_offset, event_handle, bool(event_sync)]]
+            [index, handle, storage_bytes, offset_bytes, counter_handle, counter_offset, event_handle, bool(event_sync)],
+            _device_uuid(index)]
+
+
+_uuids: dict[int, str | None] = {}
+_local_indices: dict[str | None, int] | None = None
+
+
+def _device_uuid(index: int) -> str | None:
+    """The UUID of this process's cuda:``index`` (None where torch does not tell it)."""
+    if index not in _uuids:
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        _uuids[index] = str(uuid) if uuid is not None else None
+    return _uuids[index]
+
+
+def _local_index(uuid: str | None, index: int) -> int:
+    """This process's index of the GPU that the sender calls cuda:``index``."""
+    global _local_indices
+    if not torch.cuda.is_available():
+        raise DeviceMapError(f"received a CUDA IPC handle of the sender's cuda:{index}, but this process has no CUDA device")
+    if uuid is None:  # the sender could not tell: trust the index
+        if index >= torch.cuda.device_count():
+            raise DeviceMapError(f"received a CUDA IPC handle of cuda:{index}, which this process does not have")
+        return index
+    if _local_indices is None:
+        _local_indices = {_device_uuid(i): i for i in range(torch.cuda.device_count())}
+    local = _local_indices.get(uuid)
+    if local is None:
+        raise DeviceMapError(f"received a CUDA IPC handle of the sender's cuda:{index} ({uuid}), a GPU this process does not see")
+    return local
 
 
 def parse(d: Any, dtypes: dict) -> tuple:
-    """Check a CUDA IPC descriptor: ``(dtype, shape, device, requires_grad, shared)``."""
-    if type(d) is not list or len(d) != 6:
-        raise RemoteProtocolError(f"CUDA IPC tensor descriptor has {len(d) if type(d) is list else d!r:.40} fields, expected 6")
-    _, name, shape, device, requires_grad, shared = d
+    """Check a CUDA IPC descriptor: ``(dtype, shape, device, requires_grad, shared, uuid)``."""
+    if type(d) is not list or len(d) != 7:
+        raise RemoteProtocolError(f"CUDA IPC tensor descriptor has {len(d) if type(d) is list else d!r:.40} fields, expected 7")
+    _, name, shape, device, requires_grad, shared, uuid = d
     dtype = dtypes.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise RemoteProtocolError(f"unknown dtype {name!r:.40}")
@@ -81,17 +114,17 @@ def parse(d: Any, dtypes: dict) -> tuple:
     nbytes = math.prod(shape) * dtype.itemsize
     if not 0 < nbytes <= shared[2] or shared[3] < 0:
         raise RemoteProtocolError(f"CUDA IPC tensor of {nbytes} bytes in a shared allocation of {shared[2]} bytes")
-    return dtype, shape, device, requires_grad, shared
+    if uuid is not None and not isinstance(uuid, str):
+        raise RemoteProtocolError(f"malformed GPU UUID in CUDA IPC tensor descriptor: {uuid!r:.60}")
+    return dtype, shape, device, requires_grad, shared, uuid
 
 
-def open_copy(dtype: torch.dtype, shape: list, shared: list, target: torch.device) -> torch.Tensor:
+def open_copy(dtype: torch.dtype, shape: list, shared: list, uuid: str | None, target: torch.device) -> torch.Tensor:
     """The shared tensor, copied onto ``target``; the sender's memory is released after."""
-    index = shared[0]
-    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        raise DeviceMapError(f"received a CUDA IPC handle of cuda:{index}, which this process does not have")
+    index = _local_index(uuid, shared[0])
     with torch.cuda.device(index):
         try:
-            storage = torch.UntypedStorage._new_shared_cuda(*shared)
+            storage = torch.UntypedStorage._new_shared_cuda(index, *shared[1:])
         except RuntimeError as exc:
             raise DeviceMapError(
                 f"cannot open the sender's CUDA memory here ({exc}); give both workers cuda_ipc=False "

@@ -336,8 +336,8 @@ class TensorDecoder:
         return tensor
 
     def _shared_cuda(self, d: list) -> torch.Tensor:
-        dtype, shape, device, requires_grad, shared = cuda_ipc.parse(d, DTYPES_BY_NAME)
-        tensor = cuda_ipc.open_copy(dtype, shape, shared, resolve_device(device, self._device_map))
+        dtype, shape, device, requires_grad, shared, uuid = cuda_ipc.parse(d, DTYPES_BY_NAME)
+        tensor = cuda_ipc.open_copy(dtype, shape, shared, uuid, resolve_device(device, self._device_map))
         if requires_grad:
             tensor.requires_grad_(True)
         return tensor
