@@ -143,7 +143,7 @@ class SpmdGroup:
     def _receive(self, rank: int, conn, timeout: float) -> tuple[str, Any]:
         if not conn.poll(max(timeout, 0.0)):
             alive = self.processes[rank].is_alive()
-            return "error", (f"rank {rank}: no answer within the test's time (process {'alive' if alive else 'dead'})"
+            return "error", (f"rank {rank}: no answer in time (process {'alive' if alive else 'dead'})"
                              + self._stacks_of(rank))
         try:
             return conn.recv()

@@ -22,7 +22,7 @@ def test_a_hung_and_a_crashed_worker_are_reported_with_their_stacks_in_time():
     report = str(failure.value)
     assert elapsed < 15, elapsed  # one deadline for all ranks, not one per rank
     hung = report[report.index("--- rank 1:"):report.index("--- rank 2:")]
-    assert "no answer within the test's time" in hung, hung
+    assert "no answer in time" in hung, hung
     assert "spmd_harness_cases.py" in hung and "test_one_rank_hangs_and_one_crashes" in hung, hung
     # A rank that finished the test body but waits in the harness's barrier is shown there.
     waiting = report[report.index("--- rank 0:"):report.index("--- rank 1:")]
