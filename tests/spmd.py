@@ -153,11 +153,10 @@ class SpmdGroup:
 
     def _stacks_of(self, rank: int) -> str:
         """What faulthandler wrote for ``rank`` (see the module's docstring), if anything."""
-        paths = getattr(self, "stacks_paths", None)
         try:
-            with open(paths[rank]) as f:
+            with open(self.stacks_paths[rank]) as f:
                 text = f.read().strip()
-        except (OSError, TypeError, IndexError):
+        except OSError:
             return ""
         return f"\nits threads:\n{text}" if text else ""
 
@@ -189,9 +188,7 @@ class SpmdGroup:
             if process.is_alive():
                 process.kill()
                 process.join(5)
-        stacks = getattr(self, "_stacks", None)
-        if stacks is not None:
-            stacks.cleanup()
+        self._stacks.cleanup()
 
 
 # ------------------------------------------------------------------- pytest integration

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from transport import cuda_ipc
-from transport.tensors import DTYPES_BY_NAME
+from transport.tensors import parse_cuda_ipc
 
 SHARED = (0, b"handle", 4096, 512, b"/torch_counters", 3, b"event", 1)
 
@@ -28,22 +28,23 @@ class _FakeStorage:
 
 
 class _FakeCudaTensor:
-    """Stands in for a CUDA tensor: clone() makes the snapshot that gets shared."""
+    """Stands in for a CUDA tensor: clone() makes the snapshot that gets shared, whose
+    storage is a ``storage`` (a _FakeStorage class)."""
 
-    def __init__(self, log, shape=(4, 8), requires_grad=True):
-        self.log, self.shape, self.requires_grad = log, torch.Size(shape), requires_grad
+    def __init__(self, log, shape=(4, 8), requires_grad=True, storage=_FakeStorage):
+        self.log, self.shape, self.requires_grad, self.storage = log, torch.Size(shape), requires_grad, storage
         self.snapshots = []
 
     def detach(self):
         return self
 
     def clone(self, memory_format=None):
-        snapshot = _FakeCudaTensor(self.log, self.shape, False)
+        snapshot = _FakeCudaTensor(self.log, self.shape, False, self.storage)
         self.snapshots.append(weakref.ref(snapshot, lambda _: self.log.append(("freed", cuda_ipc._share_lock.locked()))))
         return snapshot
 
     def untyped_storage(self):
-        return _FakeStorage(self)
+        return self.storage(self)
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +62,7 @@ def test_a_shared_snapshot_makes_a_descriptor_the_receiver_accepts_and_is_freed_
     # Shared and freed (the sender keeps nothing), both while holding the lock.
     assert log == [("share", True), ("freed", True)]
     assert not cuda_ipc._share_lock.locked()
-    parsed = cuda_ipc.parse(descriptor, DTYPES_BY_NAME)
+    parsed = parse_cuda_ipc(descriptor)
     assert parsed == (torch.float32, [4, 8], "cuda:0", True, descriptor[5], "GPU-0")
 
 
@@ -86,10 +87,7 @@ def test_memory_torch_cannot_share_is_staged_instead():
         def _share_cuda_(self):
             raise RuntimeError("not from the caching allocator")
 
-    tensor = _FakeCudaTensor([])
-    tensor.untyped_storage = lambda: Unshareable(tensor)
-    snapshot_of = tensor.clone
-    tensor.clone = lambda memory_format=None: (lambda s: (setattr(s, "untyped_storage", lambda: Unshareable(s)), s)[1])(snapshot_of())
+    tensor = _FakeCudaTensor([], storage=Unshareable)
     assert cuda_ipc.share(tensor, "float32", "cuda:0") is None
     assert not cuda_ipc._share_lock.locked()
 
@@ -110,9 +108,7 @@ def test_threads_share_one_at_a_time():
 
     def share_many():
         for _ in range(20):
-            tensor = _FakeCudaTensor([])
-            snapshot_of = tensor.clone
-            tensor.clone = lambda memory_format=None, make=snapshot_of: (lambda s: (setattr(s, "untyped_storage", lambda: Slow(s)), s)[1])(make())
+            tensor = _FakeCudaTensor([], storage=Slow)
             assert cuda_ipc.share(tensor, "float32", "cuda:0")[0] == "cuda_ipc"
 
     threads = [threading.Thread(target=share_many) for _ in range(4)]

@@ -30,7 +30,6 @@ handle on its own index of that GPU.
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any
 
@@ -94,29 +93,16 @@ def _local_index(uuid: str | None, index: int) -> int:
     return local
 
 
-def parse(d: Any, dtypes: dict) -> tuple:
-    """Check a CUDA IPC descriptor: ``(dtype, shape, device, requires_grad, shared, uuid)``."""
-    if type(d) is not list or len(d) != 7:
-        raise RemoteProtocolError(f"CUDA IPC tensor descriptor has {len(d) if type(d) is list else d!r:.40} fields, expected 7")
-    _, name, shape, device, requires_grad, shared, uuid = d
-    dtype = dtypes.get(name) if isinstance(name, str) else None
-    if dtype is None:
-        raise RemoteProtocolError(f"unknown dtype {name!r:.40}")
-    if not isinstance(shape, list) or len(shape) > 64 or not all(type(n) is int and 0 <= n <= 1 << 62 for n in shape):
-        raise RemoteProtocolError(f"tensor shape must be a list of at most 64 ints, got {shape!r:.80}")
-    if not isinstance(device, str) or not isinstance(requires_grad, bool):
-        raise RemoteProtocolError("tensor descriptor has a malformed device or requires_grad field")
-    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
-        raise RemoteProtocolError(f"requires_grad set on a tensor of dtype {name}")
+def check_handle(shared: Any, uuid: Any, nbytes: int) -> None:
+    """Check the handle part of a CUDA IPC descriptor (the rest is checked with the other
+    descriptors, transport/tensors.py) for a tensor of ``nbytes``."""
     kinds = (int, bytes, int, int, bytes, int, (bytes, type(None)), bool)
     if type(shared) is not list or len(shared) != len(kinds) or not all(isinstance(v, k) for v, k in zip(shared, kinds)):
         raise RemoteProtocolError(f"malformed CUDA IPC handle in tensor descriptor: {shared!r:.120}")
-    nbytes = math.prod(shape) * dtype.itemsize
     if not 0 < nbytes <= shared[2] or shared[3] < 0:
         raise RemoteProtocolError(f"CUDA IPC tensor of {nbytes} bytes in a shared allocation of {shared[2]} bytes")
     if uuid is not None and not isinstance(uuid, str):
         raise RemoteProtocolError(f"malformed GPU UUID in CUDA IPC tensor descriptor: {uuid!r:.60}")
-    return dtype, shape, device, requires_grad, shared, uuid
 
 
 def open_copy(dtype: torch.dtype, shape: list, shared: list, uuid: str | None, target: torch.device) -> torch.Tensor:

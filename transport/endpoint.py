@@ -278,7 +278,7 @@ class Endpoint:
         # borrowed buffers whose release still has to go out; the next transfer id.
         self._host_key = lending.host_key() if self.options.lend_min else None
         # Where the buffers we read lent tensors into come from (None: fresh ones each time).
-        self._lend_pool = staging.plain_pool(self.options.lend_cache, lending.DEFAULT_LEND_MIN) \
+        self._lend_pool = staging.plain_pool(self.options.lend_cache, self.options.lend_min) \
             if self._host_key is not None and self.options.lend_cache else None
         # Shared memory (transport/shm.py): on where supported; the same host key decides.
         # The doorbell (made by the I/O thread), the peers whose rings we read, the peers

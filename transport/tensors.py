@@ -169,8 +169,7 @@ class TensorEncoder:
         if name in _COMPLEX_NAMES and (data.is_conj() or data.is_neg()):
             data = data.detach().resolve_conj().resolve_neg()
         if self._cuda_ipc and data.is_cuda and data.numel():
-            device = self._placement(data.device) if self._placement is not None else str(data.device)
-            descriptor = cuda_ipc.share(data, name, device)
+            descriptor = cuda_ipc.share(data, name, self._cuda_target(data.device))
             if descriptor is not None:
                 return descriptor
         strides: list[int] | None = None
@@ -186,13 +185,17 @@ class TensorEncoder:
             device = "cpu"
             buffer = self._cpu_buffer(data, nbytes)
         elif data.is_cuda:
-            device = self._placement(data.device) if self._placement is not None else str(data.device)
+            device = self._cuda_target(data.device)
             buffer = self._stage_cuda(data.detach(), nbytes)
         else:
             raise LocalProtocolError(f"cannot send a tensor on device {data.device}")
         index = self._first + len(self.buffers)
         self.buffers.append(buffer)
         return [DENSE, name, list(data.shape), strides, index, nbytes, device, requires_grad]
+
+    def _cuda_target(self, device: torch.device) -> str:
+        """Where a CUDA tensor on ``device`` is to land at the receiver."""
+        return self._placement(device) if self._placement is not None else str(device)
 
     def _cpu_buffer(self, data: torch.Tensor, nbytes: int) -> Buffer:
         if nbytes < self._copy_threshold:
@@ -336,7 +339,7 @@ class TensorDecoder:
         return tensor
 
     def _shared_cuda(self, d: list) -> torch.Tensor:
-        dtype, shape, device, requires_grad, shared, uuid = cuda_ipc.parse(d, DTYPES_BY_NAME)
+        dtype, shape, device, requires_grad, shared, uuid = parse_cuda_ipc(d)
         tensor = cuda_ipc.open_copy(dtype, shape, shared, uuid, resolve_device(device, self._device_map))
         if requires_grad:
             tensor.requires_grad_(True)
@@ -408,9 +411,7 @@ def parse_dense(d: Any) -> tuple:
     if type(d) is not list or len(d) != 8:
         raise RemoteProtocolError(f"dense tensor descriptor has {len(d) if type(d) is list else d!r:.40} fields, expected 8")
     _, name, shape, strides, index, nbytes, device, requires_grad = d
-    dtype = DTYPES_BY_NAME.get(name) if isinstance(name, str) else None
-    if dtype is None:
-        raise RemoteProtocolError(f"unknown dtype {name!r:.40}")
+    dtype = _check_element(name, device, requires_grad)
     shape = _check_dims("shape", shape)
     numel = math.prod(shape)
     itemsize = _ITEMSIZE[dtype]
@@ -425,13 +426,34 @@ def parse_dense(d: Any) -> tuple:
         raise RemoteProtocolError(
             f"tensor of dtype {name} shape {shape} needs {span * itemsize} bytes, descriptor says {nbytes!r}"
         )
+    if type(index) is not int:
+        raise RemoteProtocolError(f"tensor descriptor refers to frame {index!r:.40}")
+    return dtype, shape, strides, index, nbytes, device, requires_grad, itemsize, span
+
+
+def parse_cuda_ipc(d: Any) -> tuple:
+    """Check a CUDA IPC descriptor (transport/cuda_ipc.py):
+    ``(dtype, shape, device, requires_grad, shared, uuid)``."""
+    if type(d) is not list or len(d) != 7:
+        raise RemoteProtocolError(f"CUDA IPC tensor descriptor has {len(d) if type(d) is list else d!r:.40} fields, expected 7")
+    _, name, shape, device, requires_grad, shared, uuid = d
+    dtype = _check_element(name, device, requires_grad)
+    shape = _check_dims("shape", shape)
+    cuda_ipc.check_handle(shared, uuid, math.prod(shape) * _ITEMSIZE[dtype])
+    return dtype, shape, device, requires_grad, shared, uuid
+
+
+def _check_element(name: Any, device: Any, requires_grad: Any) -> torch.dtype:
+    """The dtype a descriptor names, after the checks of its dtype, device and requires_grad
+    fields that every kind of descriptor takes."""
+    dtype = DTYPES_BY_NAME.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise RemoteProtocolError(f"unknown dtype {name!r:.40}")
     if not isinstance(requires_grad, bool) or not isinstance(device, str):
         raise RemoteProtocolError("tensor descriptor has a malformed device or requires_grad field")
     if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
         raise RemoteProtocolError(f"requires_grad set on a tensor of dtype {name}")
-    if type(index) is not int:
-        raise RemoteProtocolError(f"tensor descriptor refers to frame {index!r:.40}")
-    return dtype, shape, strides, index, nbytes, device, requires_grad, itemsize, span
+    return dtype
 
 
 def _check_dims(what: str, dims: Any) -> list[int]:

@@ -387,6 +387,7 @@ def _exit_kind(node: Any) -> bool | None:
         return False
     return None
 
+
 _EXIT: list = []  # the successors of an exit (leaves and recv functions end the walk); never mutated
 
 

@@ -83,8 +83,6 @@ def _node_outlives_its_outputs() -> bool:
     its attributes raise "Attribute 'next_functions' is invalid for this instance". Send
     functions are kept only as nodes (nobody keeps the tensors of a send), so there the
     functions add one empty output that the context keeps instead (``make_send_node``)."""
-    global NODE_NEEDS_AN_OUTPUT
-    NODE_NEEDS_AN_OUTPUT = False
     with torch.inference_mode(False), torch.enable_grad():
         node = SendRpc.apply(torch.empty(1, requires_grad=True))[0].grad_fn
         try:
@@ -94,6 +92,7 @@ def _node_outlives_its_outputs() -> bool:
     return True
 
 
+NODE_NEEDS_AN_OUTPUT = False  # what the probe runs with
 NODE_NEEDS_AN_OUTPUT = not _node_outlives_its_outputs()
 
 

@@ -387,7 +387,7 @@ class Agent:
         tensors = [] if autograd is not None else None  # only recording needs them
         try:
             frames = self.codec.encode(message, tensors, placement or self.placement.request(info.name),
-                                       self._cuda_ipc_to(str(info.id)))
+                                       self._cuda_ipc_to(info.id))
             if autograd is not None and not sync:
                 autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
             self._transmit(info, message, frames)
@@ -416,11 +416,11 @@ class Agent:
         if releases is not None:
             self.autograd.cleanups.add(info.id, releases[1], releases[0])
 
-    def _cuda_ipc_to(self, peer: str) -> bool:
-        """Whether CUDA tensors for endpoint peer ``peer`` go by CUDA IPC (transport/cuda_ipc.py):
-        it is another process of this host, and this process uses CUDA at all (a cheap test
-        first, that spares CPU-only calls the lookup)."""
-        return self.cuda_ipc and _cuda_initialized() and self.endpoint.reads_our_memory(peer)
+    def _cuda_ipc_to(self, peer: int | str) -> bool:
+        """Whether CUDA tensors for ``peer`` (its rank, or its name on the wire) go by CUDA IPC
+        (transport/cuda_ipc.py): it is another process of this host, and this process uses
+        CUDA at all (cheap tests first, that spare CPU-only calls the lookup)."""
+        return self.cuda_ipc and _cuda_initialized() and self.endpoint.reads_our_memory(str(peer))
 
     def _transmit(self, info: WorkerInfo, message: Message, frames: list) -> None:
         """Hand an encoded request to the transport, or to our own pool for a self call
@@ -492,7 +492,7 @@ class Agent:
         message = Message(message_type, next(self._ids), self._me, payload)
         try:
             frames = self.codec.encode(message, None, placement or self.placement.request(info.name),
-                                       self._cuda_ipc_to(str(info.id)))
+                                       self._cuda_ipc_to(info.id))
             self._transmit(info, message, frames)
         except (TransportError, SerializationError) as exc:
             raise _with_context(exc, f"cannot send a one-way call to {info}") from None
