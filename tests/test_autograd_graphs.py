@@ -509,34 +509,35 @@ def test_a_send_functions_gradient_the_engine_would_convert_goes_through_the_eng
         assert engine._pass_through(group, {(send, 0): torch.ones(3)}) == ()
 
 
-@pytest.mark.parametrize("received_tensor", ["plain", "with a hook", "retaining its grad", "gone"])
+@pytest.mark.parametrize("received_tensor", ["plain", "with a hook", "retaining its grad", "gone", "gone, with a hook"])
 def test_a_send_function_into_a_recv_function_hands_on_its_gradient_unless_hooks_could_differ(
         group, monkeypatch, received_tensor):
     """A pipeline the caller drives: the answer of worker1 goes on to worker2, so the send
     function of that call leads straight into the recv function of the answer. Its gradient
-    passes through without the engine, unless the received tensor has a hook or retains
-    its grad (PyTorch's engine runs those where it captures the gradient) or is gone (it
-    could have had one)."""
+    passes through without the engine, also when the received tensor is gone (as in a loop
+    that rebinds ``h``), unless the tensor has a hook, even once it is gone (the hook stays
+    on the node), or retains its grad: PyTorch's engine runs those where it captures the
+    gradient."""
     from zmqautograd.autograd import engine
 
     engine_calls = []
     real_grad = engine._grad
     monkeypatch.setattr(engine, "_grad", lambda *args: (engine_calls.append(1), real_grad(*args))[1])
     x = torch.randn(3, requires_grad=True)
-    factor = 10.0 if received_tensor == "with a hook" else 1.0
+    hooked = received_tensor in ("with a hook", "gone, with a hook")
     with dist_autograd.context() as context_id:
         h = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))
-        if received_tensor == "with a hook":
+        if hooked:
             h.register_hook(lambda grad: grad * 10)
         elif received_tensor == "retaining its grad":
             h.retain_grad()
         z = rpc.rpc_sync("worker2", torch.mul, args=(h, 3))
-        if received_tensor == "gone":
+        if received_tensor.startswith("gone"):
             del h
         dist_autograd.backward(context_id, [z.sum()])
-        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], torch.full((3,), 6.0 * factor))
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], torch.full((3,), 6.0 * (10 if hooked else 1)))
     # The loss's group always runs in the engine; x's send function never needs it.
-    assert len(engine_calls) == (1 if received_tensor == "plain" else 2)
+    assert len(engine_calls) == (1 if received_tensor in ("plain", "gone") else 2)
 
 
 def test_a_gradient_request_that_overtakes_its_send_functions_recording_waits_for_it(group):

@@ -885,8 +885,8 @@ def _pass_through(group: _Group, entries: dict) -> tuple:
     there: the sum over the slots that lead to it, a leaf's through its tensor hooks. ``()``
     when that could differ: a gradient the engine would convert or reject (another shape,
     dtype, device or layout than the tensor's), a CUDA gradient, a received tensor with hooks or
-    ``retain_grad`` (they run where the engine captures its gradient) or gone (they could
-    remain), or the profiler recording (it shows the node). The engine then runs the group."""
+    ``retain_grad`` (they run where the engine captures its gradient; a gone tensor's hooks
+    stay on its node, which notes them), or the profiler recording (it shows the node). The engine then runs the group."""
     if profiling():
         return ()
     node = group.nodes[0]
@@ -918,8 +918,13 @@ def _pass_through(group: _Group, entries: dict) -> tuple:
                 sums[index] = call_tensor_hooks(hooks.values(), grad)
             continue
         received = target.recv_info.received
-        tensor = received[target_slot]() if target_slot < len(received) else None
-        if tensor is None or tensor._backward_hooks or tensor.retains_grad:
+        if target_slot >= len(received):
+            return ()  # not known
+        tensor = received[target_slot]()
+        if tensor is None:
+            if target.hooked:  # its hooks outlive it, on the node
+                return ()
+        elif tensor._backward_hooks or tensor.retains_grad:
             return ()
     return tuple(sums)
 

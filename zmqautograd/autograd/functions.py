@@ -35,7 +35,8 @@ class RecvInfo(NamedTuple):
     in_response: bool = False
     # Weak references to the received tensors, filled once the node is attached: whether
     # they have hooks, which PyTorch's engine would run where it captures their gradient
-    # (engine._pass_through). Empty when not known.
+    # (engine._pass_through; for those that are gone, the node's ``hooked`` tells). Empty
+    # when not known.
     received: list = []
 
 
@@ -102,6 +103,23 @@ SendRpc._backward_cls.name = lambda self: _SEND_NAME
 RecvRpc._backward_cls.name = lambda self: _RECV_NAME
 SEND_NODE_TYPE = SendRpc._backward_cls
 RECV_NODE_TYPE = RecvRpc._backward_cls
+
+
+# Whether a tensor hook was ever registered on a tensor this recv function made (True on the
+# node once one was). Such hooks live on the node: PyTorch's engine runs them where it
+# captures the gradient, also after the tensor itself is gone, so a gradient may skip the
+# engine (engine._pass_through) only when a gone tensor never had one. ``register_hook``
+# reaches the node through ``_register_hook_dict`` (once per tensor, with its first hook).
+RECV_NODE_TYPE.hooked = False
+_register_hook_dict = torch._C._FunctionBase._register_hook_dict
+
+
+def _note_hook_dict(node: Any, tensor: torch.Tensor) -> None:
+    node.hooked = True
+    _register_hook_dict(node, tensor)
+
+
+RECV_NODE_TYPE._register_hook_dict = _note_hook_dict
 
 
 _profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
