@@ -215,3 +215,51 @@ def hooked_leaf_gradient(name: str, context_id: int) -> torch.Tensor | None:
 
 def fail_hook(name: str, message: str | None) -> None:
     _hooked[name].failure = message
+
+
+_forwards = [0]
+
+
+def count_forwards() -> None:
+    """Count the gradient forwards this worker makes from now on (engine.py, "Forwarding"),
+    from zero."""
+    from zmqautograd.autograd import api
+
+    with _lock:
+        _forwards[0] = 0
+    if getattr(api._forward_gradients, "counted", False):
+        return
+    real = api._forward_gradients
+
+    def counted(*args):
+        with _lock:
+            _forwards[0] += 1
+        return real(*args)
+
+    counted.counted = True
+    api._forward_gradients = counted
+
+
+def take_forwards() -> int:
+    with _lock:
+        count, _forwards[0] = _forwards[0], 0
+    return count
+
+
+def sparse_rows(weight: torch.Tensor) -> torch.Tensor:
+    """Rows 0 and 2 of ``weight`` by a sparse embedding: its gradient is a sparse tensor."""
+    return torch.nn.functional.embedding(torch.tensor([0, 2]), weight, sparse=True)
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("this stage fails on purpose")
+
+
+def failing_stage(name: str, x: torch.Tensor) -> torch.Tensor:
+    return FailingBackward.apply(run_stage(name, x))

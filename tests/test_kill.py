@@ -61,7 +61,7 @@ class KillGroup:
 
 @pytest.fixture(scope="module")
 def group():
-    g = KillGroup(5)
+    g = KillGroup(6)
     yield g
     g.close()
 
@@ -117,6 +117,27 @@ def test_kill_mid_backward(group):
     detected = outcome["at"] - killed
     print(f"\nkill mid-backward: backward raised {detected * 1000:.0f} ms after SIGKILL: {outcome['error']}")
     assert "Error on Node 0" in str(outcome["error"]) and "2" in str(outcome["error"])
+    assert detected < DETECTED
+    _assert_still_serving()
+
+
+def test_kill_mid_forwarded_backward(group):
+    """A pipeline this worker drives: worker5's answer went on to worker3, so worker3 sends
+    the gradients for it straight to worker5 (engine.py, "Forwarding"), and hands its report
+    on with them: nothing is due from worker3 itself. worker5 is killed inside its backward."""
+    x = torch.ones(3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        h = rpc.rpc_sync("worker5", kf.slow_backward_stage, args=(x, 30.0))
+        y = rpc.rpc_sync("worker3", torch.mul, args=(h, 3))
+        del h
+        thread, outcome = _raises_within(lambda: dist_autograd.backward(context_id, [y.sum()]), 0)
+        assert rpc.rpc_sync("worker5", kf.in_slow_backward)  # the forwarded gradient reached worker5
+        killed = _kill(group, 5)
+        thread.join(DETECTED + 10)
+        assert not thread.is_alive(), "backward still waits for a report from a dead worker"
+    detected = outcome["at"] - killed
+    print(f"\nkill mid-forwarded-backward: backward raised {detected * 1000:.0f} ms after SIGKILL: {outcome['error']}")
+    assert "Error on Node 0" in str(outcome["error"]) and "worker 5" in str(outcome["error"])
     assert detected < DETECTED
     _assert_still_serving()
 

@@ -633,6 +633,11 @@ class Endpoint:
         record = self._peers.get(peer)
         return record is not None and record.ring_out is not None
 
+    def is_lost(self, peer: str) -> bool:
+        """Whether ``peer`` is known and lost."""
+        record = self._peers.get(peer)
+        return record is not None and record.state is PeerState.LOST
+
     def peers(self) -> dict[str, str]:
         """Every known peer and its state ('expected', 'connecting', 'ready', 'lost')."""
         with self._lock:

@@ -15,7 +15,7 @@ from ..rpc import current
 from ..rpc.errors import RpcError
 from . import cleanup
 from .context import ContextContainer, DistAutogradContext
-from .engine import LOCAL_ROOT, Pass, plan_for
+from .engine import LOCAL_ROOT, Pass, plan_for, routes_for
 from .functions import RecvInfo, profiled
 
 log = logging.getLogger(__name__)
@@ -142,9 +142,11 @@ def _check_context_id(context_id: Any, what: str) -> None:
 
 
 def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph: bool, local_edges: list | None,
-                requester: int | None = None) -> Pass:
+                requester: int | None = None, ticket: tuple | None = None) -> Pass:
     """Make ``pass_id`` the context's pass on this worker (replacing a stale one);
-    ``requester``: the worker that waits for the answer to the request that starts it."""
+    ``requester``: the worker that waits for the answer to the request that starts it;
+    ``ticket``: (ticket, routes, sink, delegated reports) of a ticketed request, whose
+    pass reports to the originator (engine.py, "Forwarding")."""
     plan = plan_for(ctx, local_edges)
     home = local_edges is not None
     idle = (agent.default_timeout if agent.default_timeout > 0 else None) if home else None
@@ -152,8 +154,11 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
     # answers it waits for then usually reach it directly (see _send_gradients).
     waiting = (agent.endpoint.wait_until, agent.endpoint.waiter().wake) if home else None
     run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients, home=home, idle_timeout=idle,
-               requester=requester, home_waiting=waiting)
+               requester=requester, home_waiting=waiting, ticket=ticket, forward_gradients=_forward_gradients)
     if home:  # passes this worker started, by id (found even if the context is gone)
+        run.published = routes_for(plan, agent.rank)
+        if run.published is not None:  # where the passes of its ticketed requests report
+            run.sink = agent.open_sink(run.post_home, lambda report, error: _settle_report(agent, run, report, error))
         _running[pass_id] = run
     with _pass_lock:
         stale, ctx.current_pass = ctx.current_pass, run
@@ -163,6 +168,8 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
     def finished(_: Any) -> None:
         if home:
             _running.pop(pass_id, None)
+            if run.sink is not None:
+                agent.close_sink(run.sink)
         with _pass_lock:
             if ctx.current_pass is run:
                 ctx.current_pass = None
@@ -171,15 +178,21 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
     return run
 
 
-def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool) -> torch.futures.Future | None:
+def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool, ticketed: bool = False) -> torch.futures.Future | None:
     """A recv function fired: send its gradients to the worker the tensors came from (one-way
-    when ``run`` does not wait for the answer). The future completes once the answer came
-    and the gradients that rode on it (see ``Pass._fire_recv``) were delivered here."""
+    when ``run`` does not wait for the answer; ``ticketed``: with a ticket, and the routes
+    and report sink of the originator, which waits for a report: engine.py, "Forwarding"). The future
+    completes once the answer came and the gradients that rode on it (see
+    ``Pass._fire_recv``) were delivered here."""
     agent = _agent()
     # Back the way the tensors came: the inverse of the map they arrived through.
     peer = agent.worker_info(info.from_worker).name
     placement = agent.placement.request(peer) if info.in_response else agent.placement.response(peer)
     args = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads, agent.rank if awaited else -1)
+    if ticketed:
+        ticket = agent.autograd.new_message_id()
+        run.expect(ticket, info.from_worker)
+        args += (ticket, run.published, run.sink)
     if not awaited:
         agent.notify(info.from_worker, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ, placement)
         return None
@@ -214,24 +227,128 @@ def _outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
 
 
 def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
-                      reply_to: int = -1) -> torch.futures.Future:
+                      reply_to: int = -1, ticket: int | None = None, routes: list | None = None,
+                      sink: int | None = None, delegated: list | None = None) -> torch.futures.Future:
     """On the worker that sent the tensors: the gradients for send function ``message_id``
     (``reply_to``: the sender, when it waits for the answer). The first request of a pass is
     answered when this worker's pass is done, with the gradients that ride on the answer if
-    any; later ones at once (the seeds' completion protocol)."""
+    any; later ones at once (the seeds' completion protocol). A ``ticket``ed request (one-way,
+    from the originator or forwarded) is reported instead, to the originator's ``sink``,
+    with the ``routes`` it publishes and the reports ``delegated`` to this one (engine.py,
+    "Forwarding")."""
     agent = _agent()
+    if ticket is not None:
+        _ticketed_request(agent, context_id, message_id, pass_id, retain_graph, grads, (ticket, routes, sink, delegated))
+        return _ANSWERED
     run, first = _accept_gradients(agent, context_id, message_id, pass_id, retain_graph, grads,
                                    requester=reply_to if reply_to >= 0 else None)
     if first:
         # A failed pass raises here, in the callback: the answer carries its error.
         return run.done.then(lambda done: _riding_gradients(done.value(), pass_id, retain_graph))
-    answered: torch.futures.Future = torch.futures.Future()
-    answered.set_result(None)
-    return answered
+    return _ANSWERED
+
+
+_ANSWERED: torch.futures.Future = torch.futures.Future()
+_ANSWERED.set_result(None)
+
+
+def _ticketed_request(agent: Any, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
+                      ticket: tuple) -> None:
+    """A ticketed request (``_backward_request``): deliver it, and report to the originator
+    once the pass it started is done, unless that pass handed its report on with a forward
+    (Pass.reported); at once when it joined a running pass (someone else waits for that),
+    or with the error that stopped it."""
+    number, _, sink, delegated = ticket
+    originator = pass_id >> 48
+    try:
+        if type(number) is not int or not (delegated is None or type(delegated) is list):
+            raise RpcError(f"malformed ticket {ticket!r:.80}")
+        run, first = _accept_gradients(agent, context_id, message_id, pass_id, retain_graph, grads,
+                                       requester=originator, ticket=ticket)
+    except Exception as exc:  # noqa: BLE001 - goes to the originator, which waits for this report
+        _report(agent, originator, sink, context_id, pass_id, [], None, f"Error on Node {agent.rank}: {exc}")
+        return
+    if not first:
+        _report(agent, originator, sink, context_id, pass_id, (delegated or []) + [[number, []]], None, None)
+        return
+
+    def finished(done: torch.futures.Future) -> None:
+        try:
+            riding, error = _riding_gradients(done.value(), pass_id, retain_graph), None
+        except Exception as exc:  # noqa: BLE001 - the pass's error, for the originator
+            riding, error = None, str(exc)
+        if run.reported and error is None:
+            return
+        _report(agent, originator, sink, context_id, pass_id, run.reports(), riding, error)
+
+    run.done.add_done_callback(finished)
+
+
+def _forward_gradients(route: tuple, grads: list, run: Pass, last: bool) -> None:
+    """Send gradients where the originator's ``route`` leads (engine.Pass._forward), one-way,
+    under a new ticket that this pass's report announces. When it is the ``last`` thing the
+    pass does, that report goes with it (delegated: the receiver's report carries it), and
+    the pass sends none of its own."""
+    agent = _agent()
+    _, peer, message_id, in_response, _, _ = route
+    ticket = agent.autograd.new_message_id()
+    run.forwards.append([ticket, route[0], peer])
+    delegated = None
+    if last:
+        delegated = run.reports()
+        run.reported = True
+    name = agent.worker_info(peer).name
+    placement = agent.placement.request(name) if in_response else agent.placement.response(name)
+    args = (run.context.context_id, message_id, run.pass_id, run.retain_graph, grads, -1, ticket, run.wire_routes,
+            run.sink, delegated)
+    with profiled("torch::distributed::autograd::RecvRpcBackward"):
+        agent.notify(peer, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ, placement)
+
+
+def _report(agent: Any, originator: int, sink: Any, context_id: int, pass_id: int, reports: list,
+            riding: list | None, error: str | None) -> None:
+    """Passes of ticketed requests are done (``reports``: [ticket, forwards made] each): tell
+    the originator, at its report ``sink`` (engine.py, "Forwarding")."""
+    # Riding gradients are of tensors the originator sent in a request: back through the
+    # response device map, as on an answer.
+    placement = agent.placement.response(agent.worker_info(originator).name) if riding is not None else None
+    try:
+        if type(sink) is not int:
+            raise RpcError(f"malformed report sink {sink!r:.40}")
+        agent.report(originator, sink, [context_id, pass_id, reports, riding, error], placement)
+    except Exception as exc:  # noqa: BLE001 - the originator's loss of us, or its idle check, ends its pass
+        log.warning("backward pass %d: cannot report to worker %d: %s", pass_id, originator, exc)
+
+
+def _settle_report(agent: Any, run: Pass, report: Any, error: BaseException | None) -> None:
+    """On the originator, on the thread that runs ``run``: passes of its ticketed requests
+    are done (``_report``). Anything wrong with the report fails the pass (Pass.run_at_home)."""
+    if error is not None:
+        raise error
+    if type(report) is not list or len(report) != 5:
+        raise RpcError(f"malformed report {report!r:.80}")
+    _, pass_id, reports, riding, failure = report
+    if pass_id != run.pass_id:
+        raise RpcError(f"a report of backward pass {pass_id!r:.40} came to pass {run.pass_id}")
+    if failure is not None:
+        raise RpcError(failure if type(failure) is str else f"malformed error report {failure!r:.80}")
+    if type(reports) is not list:
+        raise RpcError(f"malformed reports {reports!r:.80}")
+    # The gradients first: their work is what the pass waits for; the counts after it (the
+    # pass cannot end before: its tickets are not settled yet).
+    if riding is not None:
+        if type(riding) is not list or len(riding) != 5:
+            raise RpcError(f"malformed riding gradients {riding!r:.80}")
+        _accept_gradients(agent, *riding, start=False)
+    for item in reports:
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not int:
+            raise RpcError(f"malformed report {item!r:.80}")
+        run.announce(item[1])
+        run.settle(item[0])
 
 
 def _accept_gradients(agent: Any, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
-                      requester: int | None = None, start: bool = True) -> tuple[Pass, bool]:
+                      requester: int | None = None, start: bool = True, ticket: tuple | None = None) -> tuple[Pass, bool]:
     """Deliver the gradients for send function ``message_id`` to pass ``pass_id`` here,
     starting it if it is new and ``start`` (``requester`` waits for its answer). The pass,
     and whether it is new. Gradients riding on an answer never start a pass: the pass that
@@ -245,7 +362,7 @@ def _accept_gradients(agent: Any, context_id: int, message_id: int, pass_id: int
         if first and not start:
             raise RpcError(f"backward pass {pass_id} of context {context_id} is no longer running here")
         if first:
-            run = _start_pass(agent, ctx, pass_id, retain_graph, None, requester)
+            run = _start_pass(agent, ctx, pass_id, retain_graph, None, requester, ticket)
         run.deliver(message_id, list(grads))
     except Exception as exc:
         # The sender does not wait for this answer when we started the pass (see engine.py):

@@ -317,6 +317,16 @@ class ContextContainer:
                     running.fail(error)
         return released
 
+    def peer_lost(self, worker_id: int, error: BaseException) -> None:
+        """``worker_id`` is lost: passes here that wait for its report fail (engine.py,
+        "Forwarding")."""
+        with self._lock:
+            contexts = list(self._contexts.values())
+        for context in contexts:
+            running = context.current_pass
+            if running is not None:
+                running.peer_lost(worker_id, error)
+
     def wait_released(self, context_ids: set[int] | None, timeout: float) -> bool:
         """Wait until none of ``context_ids`` (None: no context at all) is here any more;
         False if some still is after ``timeout`` seconds."""

@@ -37,6 +37,27 @@ sends to the pass's *originator* (the worker that called ``backward``): the orig
 for its own work anyway, and fails its own pass if such a request fails there. Those go as
 one-way messages, which saves a round trip on every path that leads back to the caller (all
 of them, in a driver-orchestrated pipeline).
+
+Forwarding. Where the originator only relays gradients (a pipeline it drives: the answer of
+one stage went on to the next, so the send function of that call feeds, unchanged, the recv
+function of the earlier answer), the stage that computes them sends them straight to the
+stage before, saving the originator's hop and its work. The originator publishes such
+*routes* (``routes_for``: its send function -> the worker and send function its recv
+function leads to) and, when it has any, sends its gradient requests one-way, each under a
+*ticket*, with the routes and its report sink (Agent.open_sink); a pass that such a ticketed request starts
+applies the routes when a recv function of the originator's tensors fires: it sends those
+gradients one-way to where the route leads, under a new ticket. When done, a ticketed pass
+*reports* to the originator (one message to its sink, handled on its backward thread): its
+ticket, the forwards it made (which announce their tickets), the gradients that ride on it
+(as on an answer), or its error. A pass whose last step is a forward hands its report on
+with it instead (*delegated*: the next report carries it), so a driven pipeline's backward
+sends one message per stage and one report at the end. The originator counts a forwarded
+send function and its recv function as done once announced, and finishes when every ticket
+was reported; reports may come before their announcement (it finds them then), and a
+ticket whose announcer has not reported keeps the pass open, so none is missed. A worker of
+the context lost while reports are due fails the pass (a report delegated to it cannot come),
+and the idle check covers reports that never come. Gradients the originator's engine would
+convert (another layout, dtype or shape) go there as usual (``forwarded_gradients``).
 """
 
 from __future__ import annotations
@@ -178,6 +199,7 @@ class Plan:
         self.root_keys = list(roots)
         self.root_bits = {key: 1 << i for i, key in enumerate(self.root_keys)}
         self.roots = roots
+        self._forwardable: dict | None = None
         if not general and self._disjoint_groups({} if parts is None else parts):
             return
         self._link(*self._mask_groups())
@@ -316,6 +338,36 @@ class Plan:
         self.feeder_counts = [len(group.feeders) for group in groups]
         self.recv_counts = {node: len(e.feeders) + bin(e.direct_roots).count("1") for node, e in recvs}
         self.post_hook_feeders = {node: len(exits[node].feeders) for node in self.post_hooks}
+
+    def forwardable(self) -> dict:
+        """The send functions whose gradients could skip this worker (see "Forwarding" in
+        the module docstring): root key -> (its group's index, the recv function it feeds,
+        for each of its slots the recv function's slot it feeds or -1). Such a send function
+        is a group of its own that passes its gradients through (_pass_through) into one
+        recv function of CPU tensors, which nothing else feeds."""
+        found = self._forwardable
+        if found is not None:
+            return found
+        found = {}
+        for key in self.root_keys:
+            if key == LOCAL_ROOT:
+                continue
+            index = self.group_of.get(self.roots[key][0][0]) if self.roots[key] else None
+            group = self.groups[index] if index is not None else None
+            if group is None or group.pass_through is None:
+                continue
+            targets = {group.captures[i][0] for i in group.pass_through if i is not None}
+            if len(targets) != 1:
+                continue
+            (recv,) = targets
+            exit_ = self.exits[recv]
+            if _exit_kind(recv) is not False or exit_.feeders != {index} or exit_.direct_roots:
+                continue
+            if any(device.type != "cpu" or layout is not _STRIDED for _, _, device, layout in recv.recv_info.metadata):
+                continue
+            found[key] = (index, recv, tuple(-1 if i is None else group.captures[i][1] for i in group.pass_through))
+        self._forwardable = found
+        return found
 
     def _masks(self, nodes: list, successors: dict) -> dict[Any, int]:
         masks = {node: 0 for node in nodes}
@@ -460,8 +512,9 @@ class Pass:
 
     def __init__(
         self, context: DistAutogradContext, plan: Plan, pass_id: int, retain_graph: bool, worker_id: int,
-        send_gradients: Callable[[Any, list, "Pass", bool], torch.futures.Future | None], home: bool = False,
+        send_gradients: Callable[[Any, list, "Pass", bool, bool], torch.futures.Future | None], home: bool = False,
         idle_timeout: float | None = None, requester: int | None = None, home_waiting: tuple | None = None,
+        ticket: tuple | None = None, forward_gradients: Callable[[tuple, list, "Pass", bool], None] | None = None,
     ):
         self.context = context
         self.plan = plan
@@ -507,6 +560,23 @@ class Pass:
         # recv function whose tensors the requester sent us, when it is the last thing the
         # pass does (see _fire_recv). ``done``'s result then.
         self.answer: tuple[RecvInfo, list] | None = None
+        # Forwarding (see the module docstring). A pass a ticketed request started: its
+        # ticket, the originator's routes it applies (as they came, and parsed), the
+        # originator's report sink, the reports delegated to it, [ticket, send function,
+        # worker] of each forward it made, and whether it handed its report on with one.
+        # On the originator: the routes it publishes and its sink (both set by the caller),
+        # the tickets due (ticket -> worker), those reported before they were announced, and
+        # how many announcements and reports came (progress, for the idle check).
+        self.ticket, routes, self.sink, self.delegated = ticket if ticket is not None and not home else (None,) * 4
+        self.wire_routes = routes or None
+        self.routes = parse_routes(routes) if routes else None
+        self.reported = False
+        self._forward_gradients = forward_gradients
+        self.forwards: list = []
+        self.published: list | None = None
+        self._tickets: dict[int, int] = {}
+        self._early: set = set()
+        self._settled = 0
         self.done = torch.futures.Future()  # all local work and every request we sent
         self.node_runs = 0  # groups and recv functions run (tests count them)
         # The caller of backward() runs its pass's work itself (``run_at_home``): its
@@ -687,7 +757,7 @@ class Pass:
                 self._waiting_feeders[other] -= 1
             ready = self._ready_groups()
             self._remaining -= 1
-            finished = self._remaining == 0 and self._outstanding == 0
+            finished = self._all_done()
         for node, hooks, grad in post_hooks:
             # An error in a hook fails the pass (the caller's _drain).
             if node in held:
@@ -720,10 +790,24 @@ class Pass:
         return due
 
     def _fire_recv(self, node: Any) -> None:
-        """All gradients for a recv function are in: send them to the worker it came from."""
+        """All gradients for a recv function are in: send them to the worker it came from,
+        or where a route of the originator's says they would go from there."""
         info = recv_info(node)
         with self._lock:
             buffer = self._exit_buffers.pop(node, {})
+            self.node_runs += 1
+        grads = [buffer.get(slot) for slot in range(len(info.metadata))]
+        del buffer
+        try:
+            if self.routes is not None and info.from_worker == self.originator and self._forward(info, grads):
+                with self._lock:
+                    self._remaining -= 1
+                self._maybe_finish()
+                return
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(exc)
+            return
+        with self._lock:
             # The last step of the pass sends to the worker waiting for our answer: the
             # gradients ride on that answer, one message instead of a request, its answer
             # and ours (the requester delivers them before it counts our answer in). Only
@@ -733,10 +817,10 @@ class Pass:
                 and self._remaining == 1 and self._outstanding == 0
             )
             awaited = not rides and (info.from_worker == self.worker_id or info.from_worker != self.originator)
+            # The originator that publishes routes waits for a report instead of an answer.
+            ticketed = awaited and self.published is not None and info.from_worker != self.worker_id
+            awaited = awaited and not ticketed
             self._outstanding += awaited
-            self.node_runs += 1
-        grads = [buffer.get(slot) for slot in range(len(info.metadata))]
-        del buffer
         if rides:
             self.answer = (info, grads)
             with self._lock:
@@ -745,7 +829,7 @@ class Pass:
             return
         try:
             with profiled("torch::distributed::autograd::RecvRpcBackward"):
-                future = self._send_gradients(info, grads, self, awaited)
+                future = self._send_gradients(info, grads, self, awaited, ticketed)
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
             return
@@ -754,6 +838,85 @@ class Pass:
         with self._lock:
             self._remaining -= 1
         self._maybe_finish()
+
+    def _forward(self, info: RecvInfo, grads: list) -> bool:
+        """Send the gradients of a recv function whose tensors the originator sent straight
+        to where its route leads, if it has one and they need no conversion there."""
+        route = self.routes.get(info.message_id)
+        if route is None:
+            return False
+        forwarded = forwarded_gradients(route, grads, info.metadata)
+        if forwarded is None:
+            return False
+        with self._lock:
+            last = self._remaining == 1 and self._outstanding == 0
+        self._forward_gradients(route, forwarded, self, last)
+        return True
+
+    def reports(self) -> list:
+        """This pass's report ([ticket, forwards made]) after those delegated to it."""
+        return (self.delegated or []) + [[self.ticket, self.forwards]]
+
+    # ----------------------------------------------------------- on the originator
+
+    def announce(self, forwards: Any) -> None:
+        """A report says its pass forwarded the gradients of our send functions (``[ticket,
+        message id, worker]`` each): their groups and the recv functions they feed are done
+        elsewhere, and each ticket's report is due."""
+        if type(forwards) is not list:
+            raise RpcError(f"malformed forwarding announcement {forwards!r:.80}")
+        for forward in forwards:
+            if (type(forward) is not list or len(forward) != 3 or not all(type(item) is int for item in forward)):
+                raise RpcError(f"malformed forwarding announcement {forward!r:.80}")
+            ticket, key, peer = forward
+            entry = self.plan.forwardable().get(key) if self.published is not None else None
+            if entry is None or not any(route[0] == key for route in self.published):
+                raise RpcError(f"backward pass {self.pass_id}: gradients of send function {key} were forwarded, "
+                               "which this pass did not route")
+            index = entry[0]
+            bit = self.plan.root_bits[key]
+            with self._lock:
+                if self._delivered & bit:
+                    raise RpcError(f"backward pass {self.pass_id}: root {key!r} delivered twice")
+                self._delivered |= bit
+                self._started[index] = True
+                self._remaining -= 2  # its group and the recv function it feeds
+                self._expect_locked(ticket, peer)
+                ready = self._ready_groups()
+            self._drain(ready)
+        self._maybe_finish()
+
+    def expect(self, ticket: int, peer: int) -> None:
+        """A ticketed request to ``peer`` is about to leave: its report is due."""
+        with self._lock:
+            self._expect_locked(ticket, peer)
+
+    def _expect_locked(self, ticket: int, peer: int) -> None:
+        if ticket in self._early:
+            self._early.discard(ticket)
+        else:
+            self._tickets[ticket] = peer
+        self._settled += 1
+
+    def settle(self, ticket: int) -> None:
+        """The report of ``ticket`` came: that worker's part is done (reports may overtake
+        the announcement of their ticket, which then finds it here)."""
+        with self._lock:
+            if self._tickets.pop(ticket, None) is None:
+                self._early.add(ticket)
+            self._settled += 1
+        self._maybe_finish()
+
+    def peer_lost(self, peer: int, error: BaseException) -> None:
+        """Fail if reports are due and ``peer`` took part in the context: a request may have
+        been forwarded to it (announced in a report that cannot come now), or come from it."""
+        with self._lock:
+            waiting = bool(self._tickets) or bool(self._early)
+        if waiting and (peer in self._tickets.values() or peer in self.context._known_worker_ids()):
+            self.fail(RpcError(f"worker {peer}, which took part in this pass, is lost: {error}"))
+
+    def _all_done(self) -> bool:  # caller holds the lock
+        return self._remaining == 0 and self._outstanding == 0 and not self._tickets and not self._early
 
     def _request_done(self, future: torch.futures.Future) -> None:
         try:
@@ -767,7 +930,7 @@ class Pass:
 
     def _maybe_finish(self) -> None:
         with self._lock:
-            finished = self._remaining == 0 and self._outstanding == 0
+            finished = self._all_done()
         if finished:
             self._finish()
         else:
@@ -778,9 +941,9 @@ class Pass:
         if self._idle_timeout is None or self.done.done():
             return
         with self._lock:
-            if self._outstanding or not self._remaining or self._idle_timer is not None:
+            if self._outstanding or self._all_done() or self._idle_timer is not None:
                 return
-            self._idle_timer = timers.call_later(self._idle_timeout, self._idle_check, self.node_runs)
+            self._idle_timer = timers.call_later(self._idle_timeout, self._idle_check, self.node_runs + self._settled)
         if self.done.done():  # finished while we armed it: its callback may have run already
             self._cancel_idle()
 
@@ -793,17 +956,21 @@ class Pass:
     def _idle_check(self, runs_when_armed: int) -> None:
         with self._lock:
             self._idle_timer = None
-            progressed = self.node_runs != runs_when_armed or self._outstanding
+            progressed = self.node_runs + self._settled != runs_when_armed or self._outstanding
             waiting = [str(k) for k, bit in self.plan.root_bits.items() if not self._delivered & bit]
+            reporting = sorted(set(self._tickets.values()))
         if self.done.done():
             return
         if progressed:
             self.watch_idle()
             return
+        if reporting:
+            what = f"no report came for the gradients sent (or forwarded) to worker(s) {', '.join(map(str, reporting))}"
+        else:
+            what = f"no gradients arrived for {len(waiting)} root(s) (send functions {', '.join(waiting[:8])})"
         self.fail(RpcError(
-            f"backward pass {self.pass_id} of context {self.context.context_id}: no gradients arrived for "
-            f"{len(waiting)} root(s) (send functions {', '.join(waiting[:8])}) within {self._idle_timeout:.0f} s "
-            "with nothing else in flight (FAST mode waits for every send function of the context)"
+            f"backward pass {self.pass_id} of context {self.context.context_id}: {what} within "
+            f"{self._idle_timeout:.0f} s with nothing else in flight (FAST mode waits for every send function of the context)"
         ))
 
     def _finish(self) -> None:
@@ -917,16 +1084,77 @@ def _pass_through(group: _Group, entries: dict) -> tuple:
             if (hooks := tensor_hooks_of(target)) is not None:
                 sums[index] = call_tensor_hooks(hooks.values(), grad)
             continue
-        received = target.recv_info.received
-        if target_slot >= len(received):
-            return ()  # not known
-        tensor = received[target_slot]()
-        if tensor is None:
-            if target.hooked:  # its hooks outlive it, on the node
-                return ()
-        elif tensor._backward_hooks or tensor.retains_grad:
+        if _hooks_could_run(target, target_slot):
             return ()
     return tuple(sums)
+
+
+def _hooks_could_run(recv: Any, slot: int) -> bool:
+    """Whether PyTorch's engine could run hooks where it captures the gradient of ``recv``'s
+    ``slot``: its received tensor has a hook or retains its grad, or it is gone and had a
+    hook (which stays on the node), or that is not known."""
+    received = recv.recv_info.received
+    if slot >= len(received):
+        return True
+    tensor = received[slot]()
+    if tensor is None:
+        return recv.hooked
+    return bool(tensor._backward_hooks) or tensor.retains_grad
+
+
+def routes_for(plan: Plan, worker_id: int) -> list | None:
+    """The routes that the caller of backward (``worker_id``) publishes with its gradient
+    requests: one for each send function of its plan whose gradients may skip it
+    (Plan.forwardable) and whose recv function's tensors have no hooks for the engine to
+    run: ``[its message id, the worker the recv function's tensors came from, their message
+    id there, whether they came in a response, for each slot of the send function the recv
+    function's slot or -1, the recv function's width]``. None when there are none, or when
+    the profiler records (it shows the nodes that forwarding skips)."""
+    forwardable = plan.forwardable()
+    if not forwardable or profiling():
+        return None
+    routes = []
+    for key, (_, recv, slots) in forwardable.items():
+        info = recv.recv_info
+        if info.from_worker == worker_id or any(slot >= 0 and _hooks_could_run(recv, slot) for slot in slots):
+            continue
+        routes.append([key, info.from_worker, info.message_id, info.in_response, list(slots), len(info.metadata)])
+    return routes or None
+
+
+def parse_routes(routes: Any) -> dict[int, tuple]:
+    """Published routes as they came from a peer (routes_for), by send function message id;
+    an RpcError when malformed."""
+    parsed = {}
+    try:
+        for key, peer, message_id, in_response, slots, width in routes:
+            if not (type(key) is int and type(peer) is int and type(message_id) is int and type(in_response) is bool
+                    and type(width) is int and width >= 0 and type(slots) is list
+                    and all(type(slot) is int and -1 <= slot < width for slot in slots)):
+                raise ValueError
+            parsed[key] = (key, peer, message_id, in_response, tuple(slots), width)
+    except (TypeError, ValueError):
+        raise RpcError(f"malformed gradient routes: {routes!r:.120}") from None
+    return parsed
+
+
+def forwarded_gradients(route: tuple, grads: list, metadata: tuple) -> list | None:
+    """The gradients of a recv function (``grads``, for its tensors of ``metadata``) as the
+    gradients of the send function that ``route`` leads to: each slot's sum, as the pass
+    through on the originator gives them (_pass_through). None when the engine there could
+    have converted one (another layout, device, shape or dtype): they then go the usual way."""
+    _, _, _, _, slots, width = route
+    if len(slots) != len(grads):
+        raise RpcError(f"gradient route for {len(slots)} tensor(s) applied to {len(grads)}")
+    forwarded: list = [None] * width
+    for grad, target, (shape, dtype, _, _) in zip(grads, slots, metadata):
+        if grad is None or target < 0:
+            continue
+        if grad.layout is not _STRIDED or not grad.is_cpu or grad.shape != shape or grad.dtype != dtype:
+            return None
+        old = forwarded[target]
+        forwarded[target] = grad if old is None else old + grad
+    return forwarded
 
 
 _STRIDED = torch.strided

@@ -195,6 +195,20 @@ class _PostedCall:
         self.post(function, *args)
 
 
+class _ReportSink:
+    """Where reports to this worker go: one-way messages sent as answers to the sink's id
+    (``Agent.report``), any number of them until it is closed. Whichever thread receives
+    one posts it, undecoded, to the thread that handles them, as a _PostedCall's answer
+    (distributed autograd's forwarded passes report to the originator this way: engine.py,
+    "Forwarding")."""
+
+    __slots__ = ("post", "on_report")
+
+    def __init__(self, post: Callable, on_report: Callable[[Any, BaseException | None], None]) -> None:
+        self.post = post
+        self.on_report = on_report
+
+
 # Answers the I/O thread may complete a _CallFuture with: not exceptions (rebuilding one may
 # import and run the exception's class) and not autograd answers (they record a recv function).
 _PLAIN_RESPONSE_TYPES = frozenset(REQUEST_TYPES.values()) - {MessageType.FORWARD_AUTOGRAD_RESP}
@@ -254,6 +268,7 @@ class Agent:
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
+        self._sinks: dict[int, _ReportSink] = {}  # open report sinks by id (open_sink)
         self._all_done = threading.Condition(self._lock)
         self._done_waiters = 0  # threads in wait_outstanding
         self._stopping = False
@@ -497,6 +512,32 @@ class Agent:
         except (TransportError, SerializationError) as exc:
             raise _with_context(exc, f"cannot send a one-way call to {info}") from None
 
+    def open_sink(self, post: Callable, on_report: Callable[[Any, BaseException | None], None]) -> int:
+        """Open a report sink (_ReportSink): its id, which peers pass to ``report``. Each
+        report is handled by ``post(function, *args)`` running ``on_report(value, error)``
+        (error: a report that cannot be decoded)."""
+        sink_id = next(self._ids)  # never the id of a call: both count on one counter
+        self._sinks[sink_id] = _ReportSink(post, on_report)
+        return sink_id
+
+    def close_sink(self, sink_id: int) -> None:
+        self._sinks.pop(sink_id, None)
+
+    def report(self, to: Any, sink_id: int, value: Any, placement: Placement | None = None) -> None:
+        """Send ``value`` to the report sink ``sink_id`` of ``to`` (open_sink): one-way, as an
+        answer, so it needs no pool thread there. Raises only when it cannot be sent."""
+        info = self.worker_info(to)
+        message = Message(MessageType.BACKWARD_AUTOGRAD_RESP, sink_id, self._me, {"v": value})
+        try:
+            frames = self.codec.encode(message, None, placement or self.placement.request(info.name),
+                                       self._cuda_ipc_to(info.id))
+            if info.id == self.rank:
+                self._complete(self._loopback(frames))
+            else:
+                self.endpoint.send_encoded(str(info.id), sink_id, frames, message.type)
+        except (TransportError, SerializationError) as exc:
+            raise _with_context(exc, f"cannot send a report to {info}") from None
+
     def call_sync(
         self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float,
         message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
@@ -528,7 +569,12 @@ class Agent:
             return False
         pending = self._pending.get(envelope.id)  # dict lookups are atomic
         if pending is None:
-            return False
+            sink = self._sinks.get(envelope.id) if self._sinks else None
+            sender = self.workers_by_id.get(int(envelope.sender)) if sink is not None and envelope.sender.isdigit() else None
+            if sender is None:
+                return False
+            sink.post(self._answer_posted, envelope, sender, sink.on_report)
+            return True
         future = pending.future
         if type(future) is _SyncSlot:
             if self._claim(envelope.id) is None:
@@ -744,6 +790,11 @@ class Agent:
     def _complete(self, message: Message) -> None:
         pending = self._claim(message.id)
         if pending is None:
+            sink = self._sinks.get(message.id)
+            sender = self.workers_by_id.get(int(message.sender)) if message.sender.isdigit() else None
+            if sink is not None and sender is not None:  # a report (not received by _route_to_waiter)
+                sink.post(sink.on_report, *self._response_value(message, sender))
+                return
             log.debug("%s: late or unknown response %d (timed out?)", self.info, message.id)
             return
         value, error = self._response_value(message, pending.to)
@@ -766,9 +817,12 @@ class Agent:
             pending.future.set_exception(PeerLostError(peer, f"call to {pending.to} failed: {error}"))
         if self._arrivals:  # the others wait at the shutdown barrier for someone who is gone
             self._release_arrivals(PeerLostError(peer, f"shutdown: {error}"))
-        # Contexts that worker created here can never be released by it any more.
-        orphans = self.autograd.release_created_by(int(peer), PeerLostError(peer, f"creator lost: {error}")) \
-            if peer.isdigit() else 0  # workers are named by rank; anything else is no member
+        if not peer.isdigit():  # workers are named by rank; anything else is no member
+            return
+        # Passes waiting for that worker's report fail; contexts it created here can never be
+        # released by it any more.
+        self.autograd.peer_lost(int(peer), error)
+        orphans = self.autograd.release_created_by(int(peer), PeerLostError(peer, f"creator lost: {error}"))
         if orphans:
             log.warning("%s: released %d autograd context(s) of lost worker %s", self.info, orphans, peer)
 

@@ -1,0 +1,274 @@
+"""Gradients forwarded past the caller of backward (engine.py, "Forwarding"): in a pipeline
+the caller drives, each stage sends the gradient of its input straight to the stage before,
+and the passes report to the caller. Gradients against local autograd on real worker
+processes, forwards counted where they are made; the caller's bookkeeping of reports and the
+checks of what peers send, in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zmqautograd.autograd as dist_autograd
+import zmqautograd.rpc as rpc
+from zmqautograd.rpc.errors import RpcError
+
+from . import autograd_functions as af
+from .rpc_harness import Group
+
+pytestmark = pytest.mark.timeout(120)
+WIDTH = 8
+NAMES = ["f1", "f2", "f3"]
+WORKERS = ["worker1", "worker2", "worker3"]
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = Group(world_size=4, num_worker_threads=4, rpc_timeout=30)
+    for i, (name, worker) in enumerate(zip(NAMES, WORKERS)):
+        rpc.rpc_sync(worker, af.make_stage, args=(name, i, WIDTH))
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture
+def forwards(group):
+    """Forwards made on each worker during the test: call it at the end (node counts start
+    from zero too)."""
+    for worker in WORKERS:
+        rpc.rpc_sync(worker, af.count_forwards)
+        rpc.rpc_sync(worker, af.take_counts)
+    return lambda: [rpc.rpc_sync(worker, af.take_forwards) for worker in WORKERS]
+
+
+def _local_stages() -> list:
+    stages = []
+    for i in range(len(NAMES)):
+        torch.manual_seed(i)  # as af.make_stage
+        stages.append(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()))
+    return stages
+
+
+def _stage_grads_match(context_id: int, local: list, factor: float = 1.0) -> None:
+    for name, worker, module in zip(NAMES, WORKERS, local):
+        grads = rpc.rpc_sync(worker, af.stage_grads, args=(name, context_id))
+        for got, param in zip(grads, module.parameters()):
+            torch.testing.assert_close(got, param.grad * factor)
+
+
+def test_a_pipeline_the_caller_drives_forwards_its_gradients_past_the_caller(group, forwards):
+    """Stage i on worker i+1, each called by this worker with the answer of the one before:
+    worker3 sends the gradient of its input to worker2, worker2 to worker1 (never through
+    here), in each of two passes over one context; every stage node runs once per pass."""
+    local = _local_stages()
+    x = torch.randn(5, WIDTH, requires_grad=True)
+    torch.nn.Sequential(*local)(x).pow(2).sum().backward()
+    with dist_autograd.context() as context_id:
+        h = x
+        for name, worker in zip(NAMES, WORKERS):
+            h = rpc.rpc_sync(worker, af.run_stage, args=(name, h))  # (the received tensors are gone)
+        loss = h.pow(2).sum()
+        for _ in range(2):
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], x.grad * 2)
+        _stage_grads_match(context_id, local, 2.0)
+    counts = {}
+    for worker in WORKERS:
+        counts.update(rpc.rpc_sync(worker, af.take_counts))
+    assert counts == {f"{name}.{io}": 2 for name in NAMES for io in ("in", "out")}
+    assert forwards() == [0, 2, 2]
+
+
+def test_a_received_tensor_with_a_hook_keeps_its_gradient_on_the_caller(group, forwards):
+    """The hook on worker1's answer must run here, on its whole gradient: worker2 sends that
+    gradient here as usual; worker3 still forwards to worker2."""
+    local = _local_stages()
+    x = torch.randn(5, WIDTH, requires_grad=True)
+    first = local[0](x)
+    first.register_hook(lambda grad: grad * 3)
+    local[2](local[1](first)).sum().backward()
+    with dist_autograd.context() as context_id:
+        h1 = rpc.rpc_sync("worker1", af.run_stage, args=(NAMES[0], x))
+        h1.register_hook(lambda grad: grad * 3)
+        h2 = rpc.rpc_sync("worker2", af.run_stage, args=(NAMES[1], h1))
+        del h1  # its hook stays on its node
+        h3 = rpc.rpc_sync("worker3", af.run_stage, args=(NAMES[2], h2))
+        dist_autograd.backward(context_id, [h3.sum()])
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], x.grad)
+        _stage_grads_match(context_id, local)
+    assert forwards() == [0, 0, 1]
+
+
+def test_a_gradient_the_caller_would_convert_goes_through_the_caller(group, forwards):
+    """worker2's gradient for the tensor it got from worker1 (through here) is sparse (a
+    sparse embedding of it): it goes the usual way, through this worker's engine."""
+    weight = torch.randn(4, 3, requires_grad=True)
+    local = torch.nn.functional.embedding(torch.tensor([0, 2]), weight * 2, sparse=True).sin().sum()
+    local.backward()
+    with dist_autograd.context() as context_id:
+        doubled = rpc.rpc_sync("worker1", torch.mul, args=(weight, 2))
+        rows = rpc.rpc_sync("worker2", af.sparse_rows, args=(doubled,))
+        dist_autograd.backward(context_id, [rows.sin().sum()])
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[weight], weight.grad)
+    assert forwards() == [0, 0, 0]
+
+
+def test_a_forwarded_request_that_joins_a_running_pass(group, forwards):
+    """worker1 gets the gradients of its second answer from here and those of its first,
+    which went on to worker2, from worker2: whichever comes second joins the pass the first
+    started (and is reported at once)."""
+    x = torch.randn(3, requires_grad=True)
+    y = torch.randn(3, requires_grad=True)
+    expected = ((x * 2).sin() * 3).sin().sum() + (y * 5).sin().sum()
+    expected.backward()
+    with dist_autograd.context() as context_id:
+        h = rpc.rpc_sync("worker1", af.scale, args=(x, 2.0, "a"))
+        k = rpc.rpc_sync("worker1", af.scale, args=(y, 5.0, "b"))
+        z = rpc.rpc_sync("worker2", af.scale, args=(h, 3.0, "c"))
+        del h
+        dist_autograd.backward(context_id, [z.sum() + k.sum()])
+        grads = dist_autograd.get_gradients(context_id)
+        torch.testing.assert_close(grads[x], x.grad)
+        torch.testing.assert_close(grads[y], y.grad)
+    assert rpc.rpc_sync("worker1", af.take_counts) == {"a": 1, "b": 1}
+    assert rpc.rpc_sync("worker2", af.take_counts) == {"c": 1}
+    assert forwards() == [0, 1, 0]
+
+
+def test_an_error_at_the_end_of_a_forwarded_chain_fails_the_pass_and_the_workers_go_on(group, forwards):
+    x = torch.randn(5, WIDTH, requires_grad=True)
+    for stage, error in ((af.failing_stage, "Error on Node 0: .*Error on Node 1: .*this stage fails on purpose"),
+                         (af.run_stage, None)):
+        with dist_autograd.context() as context_id:
+            h = rpc.rpc_sync("worker1", stage, args=(NAMES[0], x))
+            for name, worker in zip(NAMES[1:], WORKERS[1:]):
+                h = rpc.rpc_sync(worker, af.run_stage, args=(name, h))
+            if error is None:
+                dist_autograd.backward(context_id, [h.sum()])
+                assert dist_autograd.get_gradients(context_id)[x].shape == x.shape
+            else:
+                with pytest.raises(RuntimeError, match=error):
+                    dist_autograd.backward(context_id, [h.sum()])
+    assert forwards() == [0, 2, 2]
+
+
+# ------------------------------------------------------------------ in-process checks
+
+
+def _routed_pass(idle_timeout: float | None = None):
+    """A pass on the worker that calls backward (worker 0) over one send function (message 7)
+    of a tensor received from worker 2 (its message 5): the route this worker publishes."""
+    from zmqautograd.autograd import engine, functions
+    from zmqautograd.autograd.context import DistAutogradContext
+
+    context = DistAutogradContext(1)
+    context.add_known_worker(2)
+    received = torch.randn(3, requires_grad=True)
+    recv, _ = functions.attach_recv_node([received], 1, 5, 2)
+    send, keep_alive = functions.make_send_node([received])
+    plan = engine.Plan({7: [(send, 0)]})
+    run = engine.Pass(context, plan, 9, False, 0, lambda *args: None, idle_timeout=idle_timeout)
+    run.published = engine.routes_for(plan, 0)
+    return run, (received, recv, keep_alive)
+
+
+def test_the_caller_counts_reports_in_any_order():
+    run, kept = _routed_pass()
+    assert run.published == [[7, 2, 5, False, [0], 1]]
+    run.settle(101)  # a report that overtook the announcement of its ticket
+    run.expect(100, 3)  # a request to worker 3, which forwards to worker 2 under ticket 101
+    assert not run.done.done()
+    run.announce([[101, 7, 2]])
+    assert not run.done.done()  # ticket 100 is still due
+    run.settle(100)
+    assert run.done.done() and run.done.value() is None
+
+
+@pytest.mark.parametrize("announcement, error", [
+    ([[101, 8, 2]], "did not route"),
+    ([[101, 7]], "malformed"),
+    ([["101", 7, 2]], "malformed"),
+    ({101: 7}, "malformed"),
+    ([[101, 7, 2], [102, 7, 2]], "delivered twice"),
+])
+def test_announcements_the_caller_cannot_have_are_errors(announcement, error):
+    run, kept = _routed_pass()
+    with pytest.raises(RpcError, match=error):
+        run.announce(announcement)
+
+
+def test_losing_a_worker_of_the_context_fails_a_pass_that_waits_for_reports():
+    run, kept = _routed_pass()
+    run.expect(100, 3)
+    run.peer_lost(5, RuntimeError("gone"))  # took no part
+    assert not run.done.done()
+    run.peer_lost(2, RuntimeError("gone"))  # a worker of the context: it may have been forwarded to
+    assert run.done.done()
+    with pytest.raises(RuntimeError, match="Error on Node 0: worker 2, which took part in this pass, is lost: gone"):
+        run.done.value()
+
+
+def test_a_report_that_never_comes_fails_the_pass_after_its_idle_timeout():
+    run, kept = _routed_pass(idle_timeout=0.2)
+    run.expect(100, 3)
+    run.watch_idle()
+    with pytest.raises(RuntimeError, match="no report came for the gradients sent \\(or forwarded\\) to worker\\(s\\) 3"):
+        run.done.wait()
+
+
+def test_no_routes_where_the_engine_here_would_run_hooks_or_the_profiler_records():
+    from zmqautograd.autograd import engine
+
+    run, (received, recv, keep_alive) = _routed_pass()
+    received.register_hook(lambda grad: grad)
+    assert engine.routes_for(run.plan, 0) is None
+    run, kept = _routed_pass()
+    with torch.autograd.profiler.profile():
+        assert engine.routes_for(run.plan, 0) is None
+
+
+@pytest.mark.parametrize("routes", [
+    [[7, 2, 5, False, [1], 1]],  # a slot past the recv function's width
+    [[7, 2, 5, 0, [0], 1]],
+    [[7, 2, 5, False, [0]]],
+    [[7.0, 2, 5, False, [0], 1]],
+    [7],
+    "routes",
+])
+def test_malformed_routes_are_errors(routes):
+    from zmqautograd.autograd import engine
+
+    with pytest.raises(RpcError, match="malformed gradient routes"):
+        engine.parse_routes(routes)
+
+
+def test_forwarded_gradients_are_summed_per_slot_or_left_to_the_usual_way():
+    from zmqautograd.autograd import engine
+
+    route = engine.parse_routes([[7, 2, 5, False, [1, 1, -1], 2]])[7]
+    metadata = tuple((torch.Size([3]), torch.float32, torch.device("cpu"), torch.strided) for _ in range(3))
+    ones = torch.ones(3)
+    assert engine.forwarded_gradients(route, [ones, ones, ones], metadata)[0] is None
+    assert torch.equal(engine.forwarded_gradients(route, [ones, ones, ones], metadata)[1], torch.full((3,), 2.0))
+    for odd in (ones.double(), torch.ones(2), ones.to_sparse()):
+        assert engine.forwarded_gradients(route, [odd, None, None], metadata) is None
+    with pytest.raises(RpcError, match="applied to 2"):
+        engine.forwarded_gradients(route, [ones, ones], metadata[:2])
+
+
+@pytest.mark.parametrize("report, error", [
+    ("report", "malformed report"),
+    ([1, 9, [], None], "malformed report"),
+    ([1, 8, [], None, None], "came to pass 9"),
+    ([1, 9, [], None, "Error on Node 2: it broke"], "Error on Node 2: it broke"),
+    ([1, 9, [], None, 5], "malformed error report"),
+    ([1, 9, {}, None, None], "malformed reports"),
+    ([1, 9, [["100", []]], None, None], "malformed report"),
+    ([1, 9, [], [1, 2], None], "malformed riding gradients"),
+])
+def test_malformed_reports_are_errors(report, error):
+    from zmqautograd.autograd import api
+
+    run, kept = _routed_pass()
+    with pytest.raises(RpcError, match=error):
+        api._settle_report(None, run, report, None)
