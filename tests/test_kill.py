@@ -105,41 +105,42 @@ def test_kill_mid_forward(group):
     _assert_still_serving()
 
 
-def test_kill_mid_backward(group):
-    x = torch.ones(3, requires_grad=True)
+def _killed_inside_backward(group, rank: int, forward, what: str) -> BaseException:
+    """Run backward over the loss ``forward()`` makes (its pass reaches a slow node on
+    ``rank``), kill ``rank`` inside that node, and return the error backward raised."""
     with dist_autograd.context() as context_id:
-        y = rpc.rpc_sync("worker2", kf.slow_backward_stage, args=(x, 30.0))
-        thread, outcome = _raises_within(lambda: dist_autograd.backward(context_id, [y.sum()]), 0)
-        assert rpc.rpc_sync("worker2", kf.in_slow_backward)  # the pass is inside worker2's slow node
-        killed = _kill(group, 2)
+        loss = forward()
+        thread, outcome = _raises_within(lambda: dist_autograd.backward(context_id, [loss]), 0)
+        assert rpc.rpc_sync(f"worker{rank}", kf.in_slow_backward)  # the pass is inside the slow node
+        killed = _kill(group, rank)
         thread.join(DETECTED + 10)
-        assert not thread.is_alive(), "backward still waits for a dead worker"
+        assert not thread.is_alive(), f"backward still waits for a dead worker ({what})"
     detected = outcome["at"] - killed
-    print(f"\nkill mid-backward: backward raised {detected * 1000:.0f} ms after SIGKILL: {outcome['error']}")
-    assert "Error on Node 0" in str(outcome["error"]) and "2" in str(outcome["error"])
+    print(f"\nkill {what}: backward raised {detected * 1000:.0f} ms after SIGKILL: {outcome['error']}")
     assert detected < DETECTED
     _assert_still_serving()
+    return outcome["error"]
+
+
+def test_kill_mid_backward(group):
+    x = torch.ones(3, requires_grad=True)
+    error = _killed_inside_backward(
+        group, 2, lambda: rpc.rpc_sync("worker2", kf.slow_backward_stage, args=(x, 30.0)).sum(), "mid-backward")
+    assert "Error on Node 0" in str(error) and "2" in str(error)
 
 
 def test_kill_mid_forwarded_backward(group):
-    """A pipeline this worker drives: worker5's answer went on to worker3, so worker3 sends
+    """A pipeline this worker drives: worker5's answer goes on to worker3, so worker3 sends
     the gradients for it straight to worker5 (engine.py, "Forwarding"), and hands its report
     on with them: nothing is due from worker3 itself. worker5 is killed inside its backward."""
     x = torch.ones(3, requires_grad=True)
-    with dist_autograd.context() as context_id:
+
+    def forward():
         h = rpc.rpc_sync("worker5", kf.slow_backward_stage, args=(x, 30.0))
-        y = rpc.rpc_sync("worker3", torch.mul, args=(h, 3))
-        del h
-        thread, outcome = _raises_within(lambda: dist_autograd.backward(context_id, [y.sum()]), 0)
-        assert rpc.rpc_sync("worker5", kf.in_slow_backward)  # the forwarded gradient reached worker5
-        killed = _kill(group, 5)
-        thread.join(DETECTED + 10)
-        assert not thread.is_alive(), "backward still waits for a report from a dead worker"
-    detected = outcome["at"] - killed
-    print(f"\nkill mid-forwarded-backward: backward raised {detected * 1000:.0f} ms after SIGKILL: {outcome['error']}")
-    assert "Error on Node 0" in str(outcome["error"]) and "worker 5" in str(outcome["error"])
-    assert detected < DETECTED
-    _assert_still_serving()
+        return rpc.rpc_sync("worker3", torch.mul, args=(h, 3)).sum()  # (h is gone after)
+
+    error = _killed_inside_backward(group, 5, forward, "mid-forwarded-backward")
+    assert "Error on Node 0" in str(error) and "worker 5" in str(error)  # (a lost report, not a call)
 
 
 def test_kill_during_rref_fetch(group):
