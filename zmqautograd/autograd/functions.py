@@ -110,8 +110,9 @@ RECV_NODE_TYPE = RecvRpc._backward_cls
 # captures the gradient, also after the tensor itself is gone, so a gradient may skip the
 # engine (engine._pass_through) only when a gone tensor never had one. ``register_hook``
 # reaches the node through ``_register_hook_dict`` (once per tensor, with its first hook).
-RECV_NODE_TYPE.hooked = False
-_register_hook_dict = torch._C._FunctionBase._register_hook_dict
+# (Where that method is not there to note them, every node counts as hooked.)
+_register_hook_dict = getattr(torch._C._FunctionBase, "_register_hook_dict", None)
+RECV_NODE_TYPE.hooked = _register_hook_dict is None
 
 
 def _note_hook_dict(node: Any, tensor: torch.Tensor) -> None:
@@ -119,7 +120,8 @@ def _note_hook_dict(node: Any, tensor: torch.Tensor) -> None:
     _register_hook_dict(node, tensor)
 
 
-RECV_NODE_TYPE._register_hook_dict = _note_hook_dict
+if _register_hook_dict is not None:
+    RECV_NODE_TYPE._register_hook_dict = _note_hook_dict
 
 
 _profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
