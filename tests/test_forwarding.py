@@ -208,6 +208,24 @@ def test_losing_a_worker_of_the_context_fails_a_pass_that_waits_for_reports():
         run.done.value()
 
 
+def test_a_worker_of_the_context_lost_before_the_pass_fails_it_at_its_first_request():
+    from types import SimpleNamespace
+
+    from zmqautograd.autograd import api
+
+    run, kept = _routed_pass()
+    run.expect(100, 3)
+    lost: set = set()
+    agent = SimpleNamespace(endpoint=SimpleNamespace(is_lost=lambda peer: peer in lost))
+    api._fail_if_lost(agent, run)  # nobody lost
+    assert not run.done.done()
+    lost.add("2")
+    api._fail_if_lost(agent, run)
+    assert run.done.done()
+    with pytest.raises(RuntimeError, match="worker 2, which took part in this pass, is lost: lost before the pass"):
+        run.done.value()
+
+
 def test_a_report_that_never_comes_fails_the_pass_after_its_idle_timeout():
     run, kept = _routed_pass(idle_timeout=0.2)
     run.expect(100, 3)

@@ -192,6 +192,7 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool, ticke
     if ticketed:
         ticket = agent.autograd.new_message_id()
         run.expect(ticket, info.from_worker)
+        _fail_if_lost(agent, run)
         args += (ticket, run.published, run.sink)
     if not awaited:
         agent.notify(info.from_worker, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ, placement)
@@ -224,6 +225,16 @@ def _outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
         return future.value(), None
     except Exception as exc:  # noqa: BLE001 - handed on as the outcome
         return None, exc
+
+
+def _fail_if_lost(agent: Any, run: Pass) -> None:
+    """A worker of the context lost before ``run`` had reports due fails it now, as one lost
+    later does (Pass.peer_lost): forwarded gradients may be bound for it, and a worker that
+    has not noticed the loss yet would send them into the void."""
+    for worker in run.context._known_worker_ids():
+        if agent.endpoint.is_lost(str(worker)):
+            run.peer_lost(worker, RpcError("lost before the pass"))
+            return
 
 
 def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,

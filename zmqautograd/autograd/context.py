@@ -318,8 +318,8 @@ class ContextContainer:
         return released
 
     def peer_lost(self, worker_id: int, error: BaseException) -> None:
-        """``worker_id`` is lost: passes here that wait for its report fail (engine.py,
-        "Forwarding")."""
+        """``worker_id`` is lost: passes here that wait for reports fail if it took part in
+        their context (engine.Pass.peer_lost, "Forwarding")."""
         with self._lock:
             contexts = list(self._contexts.values())
         for context in contexts:
