@@ -178,7 +178,8 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
     return run
 
 
-def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool, ticketed: bool = False) -> torch.futures.Future | None:
+def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
+                    ticketed: bool = False) -> torch.futures.Future | None:
     """A recv function fired: send its gradients to the worker the tensors came from (one-way
     when ``run`` does not wait for the answer; ``ticketed``: with a ticket, and the routes
     and report sink of the originator, which waits for a report: engine.py, "Forwarding"). The future
@@ -249,7 +250,8 @@ def _backward_request(context_id: int, message_id: int, pass_id: int, retain_gra
     "Forwarding")."""
     agent = _agent()
     if ticket is not None:
-        _ticketed_request(agent, context_id, message_id, pass_id, retain_graph, grads, (ticket, routes, sink, delegated))
+        ticketed = (ticket, routes, sink, delegated)
+        _ticketed_request(agent, context_id, message_id, pass_id, retain_graph, grads, ticketed)
         return _ANSWERED
     run, first = _accept_gradients(agent, context_id, message_id, pass_id, retain_graph, grads,
                                    requester=reply_to if reply_to >= 0 else None)
@@ -359,7 +361,8 @@ def _settle_report(agent: Any, run: Pass, report: Any, error: BaseException | No
 
 
 def _accept_gradients(agent: Any, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
-                      requester: int | None = None, start: bool = True, ticket: tuple | None = None) -> tuple[Pass, bool]:
+                      requester: int | None = None, start: bool = True,
+                      ticket: tuple | None = None) -> tuple[Pass, bool]:
     """Deliver the gradients for send function ``message_id`` to pass ``pass_id`` here,
     starting it if it is new and ``start`` (``requester`` waits for its answer). The pass,
     and whether it is new. Gradients riding on an answer never start a pass: the pass that

@@ -44,9 +44,9 @@ function of the earlier answer), the stage that computes them sends them straigh
 stage before, saving the originator's hop and its work. The originator publishes such
 *routes* (``routes_for``: its send function -> the worker and send function its recv
 function leads to) and, when it has any, sends its gradient requests one-way, each under a
-*ticket*, with the routes and its report sink (Agent.open_sink); a pass that such a ticketed request starts
-applies the routes when a recv function of the originator's tensors fires: it sends those
-gradients one-way to where the route leads, under a new ticket. When done, a ticketed pass
+*ticket*, with the routes and its report sink (Agent.open_sink); a pass that such a
+ticketed request starts applies the routes when a recv function of the originator's tensors
+fires: it sends those gradients one-way to where the route leads, under a new ticket. When done, a ticketed pass
 *reports* to the originator (one message to its sink, handled on its backward thread): its
 ticket, the forwards it made (which announce their tickets), the gradients that ride on it
 (as on an answer), or its error. A pass whose last step is a forward hands its report on
@@ -970,7 +970,8 @@ class Pass:
             what = f"no gradients arrived for {len(waiting)} root(s) (send functions {', '.join(waiting[:8])})"
         self.fail(RpcError(
             f"backward pass {self.pass_id} of context {self.context.context_id}: {what} within "
-            f"{self._idle_timeout:.0f} s with nothing else in flight (FAST mode waits for every send function of the context)"
+            f"{self._idle_timeout:.0f} s with nothing else in flight "
+            "(FAST mode waits for every send function of the context)"
         ))
 
     def _finish(self) -> None:
@@ -1053,7 +1054,8 @@ def _pass_through(group: _Group, entries: dict) -> tuple:
     when that could differ: a gradient the engine would convert or reject (another shape,
     dtype, device or layout than the tensor's), a CUDA gradient, a received tensor with hooks or
     ``retain_grad`` (they run where the engine captures its gradient; a gone tensor's hooks
-    stay on its node, which notes them), or the profiler recording (it shows the node). The engine then runs the group."""
+    stay on its node, which notes them), or the profiler recording (it shows the node). The
+    engine then runs the group."""
     if profiling():
         return ()
     node = group.nodes[0]
