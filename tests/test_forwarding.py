@@ -290,3 +290,17 @@ def test_malformed_reports_are_errors(report, error):
     run, kept = _routed_pass()
     with pytest.raises(RpcError, match=error):
         api._settle_report(None, run, report, None)
+
+
+def test_a_second_pass_over_a_freed_graph_fails_through_the_reports(group):
+    """retain_graph=False frees the stages' saved tensors: a second pass in the context fails
+    on the last stage (the first one it reaches), and the error comes back in a report."""
+    x = torch.randn(5, WIDTH, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        h = x
+        for name, worker in zip(NAMES, WORKERS):
+            h = rpc.rpc_sync(worker, af.run_stage, args=(name, h))
+        loss = h.sum()
+        dist_autograd.backward(context_id, [loss])
+        with pytest.raises(RuntimeError, match="Error on Node 0: .*Error on Node 3: .*second time"):
+            dist_autograd.backward(context_id, [loss], retain_graph=True)
