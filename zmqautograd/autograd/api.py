@@ -182,8 +182,8 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
                     ticketed: bool = False) -> torch.futures.Future | None:
     """A recv function fired: send its gradients to the worker the tensors came from (one-way
     when ``run`` does not wait for the answer; ``ticketed``: with a ticket, and the routes
-    and report sink of the originator, which waits for a report: engine.py, "Forwarding"). The future
-    completes once the answer came and the gradients that rode on it (see
+    and report sink of the originator, which waits for a report: engine.py, "Forwarding").
+    The future completes once the answer came and the gradients that rode on it (see
     ``Pass._fire_recv``) were delivered here."""
     agent = _agent()
     # Back the way the tensors came: the inverse of the map they arrived through.

@@ -1073,8 +1073,7 @@ def _pass_through(group: _Group, entries: dict) -> tuple:
             shape, dtype, device = variable.shape, variable.dtype, variable.device
         else:
             shape, dtype, device, _ = target.recv_info.metadata[target_slot]
-        if grad.layout is not _STRIDED or grad.shape != shape or grad.dtype != dtype or grad.device != device \
-                or not grad.is_cpu:  # (CUDA gradients: the engine orders them with their streams)
+        if not _taken_as_is(grad, shape, dtype, device):
             return ()
         old = sums[index]
         sums[index] = grad if old is None else old + grad
@@ -1089,6 +1088,14 @@ def _pass_through(group: _Group, entries: dict) -> tuple:
         if _hooks_could_run(target, target_slot):
             return ()
     return tuple(sums)
+
+
+def _taken_as_is(grad: torch.Tensor, shape: Any, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether PyTorch's engine would take ``grad`` as it is for a tensor of that shape, dtype
+    and device: nothing to convert or reject, and on the CPU (the engine orders CUDA
+    gradients with their streams)."""
+    return (grad.layout is _STRIDED and grad.is_cpu and grad.shape == shape and grad.dtype == dtype
+            and grad.device == device)
 
 
 def _hooks_could_run(recv: Any, slot: int) -> bool:
@@ -1149,10 +1156,10 @@ def forwarded_gradients(route: tuple, grads: list, metadata: tuple) -> list | No
     if len(slots) != len(grads):
         raise RpcError(f"gradient route for {len(slots)} tensor(s) applied to {len(grads)}")
     forwarded: list = [None] * width
-    for grad, target, (shape, dtype, _, _) in zip(grads, slots, metadata):
+    for grad, target, (shape, dtype, device, _) in zip(grads, slots, metadata):
         if grad is None or target < 0:
             continue
-        if grad.layout is not _STRIDED or not grad.is_cpu or grad.shape != shape or grad.dtype != dtype:
+        if not _taken_as_is(grad, shape, dtype, device):
             return None
         old = forwarded[target]
         forwarded[target] = grad if old is None else old + grad

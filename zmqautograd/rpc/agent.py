@@ -401,8 +401,7 @@ class Agent:
             pending.timer = timers.call_later(timeout, self._expire, message_id)
         tensors = [] if autograd is not None else None  # only recording needs them
         try:
-            frames = self.codec.encode(message, tensors, placement or self.placement.request(info.name),
-                                       self._cuda_ipc_to(info.id))
+            frames = self._encode_to(info, message, tensors, placement)
             if autograd is not None and not sync:
                 autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
             self._transmit(info, message, frames)
@@ -430,6 +429,13 @@ class Agent:
         """Releases that were to ride on a request that did not leave go with the next one."""
         if releases is not None:
             self.autograd.cleanups.add(info.id, releases[1], releases[0])
+
+    def _encode_to(self, info: WorkerInfo, message: Message, tensors: list | None,
+                   placement: Placement | None) -> list:
+        """The frames of a message we start (a call, a one-way call, a report) to ``info``:
+        CUDA tensors land by ``placement``, by default our device map to that worker."""
+        return self.codec.encode(message, tensors, placement or self.placement.request(info.name),
+                                 self._cuda_ipc_to(info.id))
 
     def _cuda_ipc_to(self, peer: int | str) -> bool:
         """Whether CUDA tensors for ``peer`` (its rank, or its name on the wire) go by CUDA IPC
@@ -506,9 +512,7 @@ class Agent:
         payload = {"f": encode_function(function), "a": list(args or ()), "k": {}, "n": 1}
         message = Message(message_type, next(self._ids), self._me, payload)
         try:
-            frames = self.codec.encode(message, None, placement or self.placement.request(info.name),
-                                       self._cuda_ipc_to(info.id))
-            self._transmit(info, message, frames)
+            self._transmit(info, message, self._encode_to(info, message, None, placement))
         except (TransportError, SerializationError) as exc:
             raise _with_context(exc, f"cannot send a one-way call to {info}") from None
 
@@ -529,14 +533,22 @@ class Agent:
         info = self.worker_info(to)
         message = Message(MessageType.BACKWARD_AUTOGRAD_RESP, sink_id, self._me, {"v": value})
         try:
-            frames = self.codec.encode(message, None, placement or self.placement.request(info.name),
-                                       self._cuda_ipc_to(info.id))
+            frames = self._encode_to(info, message, None, placement)
             if info.id == self.rank:
                 self._complete(self._loopback(frames))
             else:
                 self.endpoint.send_encoded(str(info.id), sink_id, frames, message.type)
         except (TransportError, SerializationError) as exc:
             raise _with_context(exc, f"cannot send a report to {info}") from None
+
+    def _report_sink(self, message_id: int, sender: str) -> tuple[_ReportSink, WorkerInfo] | None:
+        """The open sink an answer with no pending call reports to, and the member that sent
+        it; None if it is no report (a late answer, or from no member)."""
+        sink = self._sinks.get(message_id) if self._sinks else None
+        if sink is None or not sender.isdigit():
+            return None
+        info = self.workers_by_id.get(int(sender))
+        return None if info is None else (sink, info)
 
     def call_sync(
         self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float,
@@ -569,10 +581,10 @@ class Agent:
             return False
         pending = self._pending.get(envelope.id)  # dict lookups are atomic
         if pending is None:
-            sink = self._sinks.get(envelope.id) if self._sinks else None
-            sender = self.workers_by_id.get(int(envelope.sender)) if sink is not None and envelope.sender.isdigit() else None
-            if sender is None:
+            found = self._report_sink(envelope.id, envelope.sender)
+            if found is None:
                 return False
+            sink, sender = found
             sink.post(self._answer_posted, envelope, sender, sink.on_report)
             return True
         future = pending.future
@@ -790,9 +802,9 @@ class Agent:
     def _complete(self, message: Message) -> None:
         pending = self._claim(message.id)
         if pending is None:
-            sink = self._sinks.get(message.id)
-            sender = self.workers_by_id.get(int(message.sender)) if message.sender.isdigit() else None
-            if sink is not None and sender is not None:  # a report (not received by _route_to_waiter)
+            found = self._report_sink(message.id, message.sender)
+            if found is not None:  # a report (not received by _route_to_waiter)
+                sink, sender = found
                 sink.post(sink.on_report, *self._response_value(message, sender))
                 return
             log.debug("%s: late or unknown response %d (timed out?)", self.info, message.id)
