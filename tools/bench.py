@@ -24,7 +24,13 @@ The last column of each table is the share of the machine's CPU time the hypervi
 while that row was measured (tools/machine.py): on a shared VM, the slow runs are the runs
 with steal.
 
-    python tools/bench.py [--rounds 9] [--standalone-rounds 3]
+Processes start by ``spawn`` (a fresh interpreter each, as torchrun or containers start
+them): each gets its own address layout (ASLR). ``--start-method forkserver`` forks them all
+from one server that imported torch and both frameworks first, so they share one layout; where
+more processes than CPUs take turns (the pipeline on a 2-vCPU VM), that makes every piece of
+work faster for both frameworks (docs/performance.md, "Address layouts").
+
+    python tools/bench.py [--rounds 9] [--standalone-rounds 3] [--start-method spawn|forkserver]
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from tools.machine import StealMeter, percent  # noqa: E402
 
 WORLD = 4
 WIDTH = 64
+START_METHOD = "spawn"  # --start-method
 _weight: torch.Tensor | None = None
 
 
@@ -72,6 +79,15 @@ def compute(x: torch.Tensor) -> torch.Tensor:
     for _ in range(200):
         x = torch.tanh(x @ x)
     return x
+
+
+def _start(function, args: tuple, nprocs: int) -> None:
+    """``mp.spawn``, by the chosen start method (START_METHOD)."""
+    mp.start_processes(function, args=args, nprocs=nprocs, start_method=START_METHOD)
+
+
+def _queue():
+    return mp.get_context(START_METHOD).SimpleQueue()
 
 
 def _free_port() -> int:
@@ -252,16 +268,17 @@ def run_pipeline_alone(rank: int, framework: str, port: int, results) -> None:
 
 def standalone_pipeline(rounds: int) -> float:
     """The pipeline step with each framework alone; prints the table and returns our ratio."""
-    results = mp.get_context("spawn").SimpleQueue()
+    results = _queue()
     samples: dict[str, list] = {"TensorPipe": [], "zmqautograd": []}
     stolen: dict[str, list] = {name: [] for name in samples}
     for _ in range(rounds):
         for name, framework in (("TensorPipe", "tp"), ("zmqautograd", "zmq")):
             steal = StealMeter()
-            mp.spawn(run_pipeline_alone, args=(framework, _free_port(), results), nprocs=WORLD)
+            _start(run_pipeline_alone, (framework, _free_port(), results), WORLD)
             samples[name].append(results.get())
             stolen[name].append(steal.share())
-    print(f"\neach framework alone, {WORLD} processes, torch.set_num_threads(1) ({rounds} alternating rounds)", flush=True)
+    print(f"\neach framework alone, {WORLD} processes, torch.set_num_threads(1) ({rounds} alternating rounds;"
+          f" started by {START_METHOD})", flush=True)
     print(f"{'':<34}{'4-stage pipeline step':>24}{'stolen':>9}", flush=True)
     tp = statistics.median(samples["TensorPipe"])
     for name, values in samples.items():
@@ -308,7 +325,7 @@ def _shm_floor_alone(rank: int, name: str, results) -> None:
 def standalone(rounds: int) -> dict[str, float]:
     """The tables of each framework alone in 2 processes; prints them and returns zmqautograd's
     ratios to TensorPipe by column title."""
-    results = mp.get_context("spawn").SimpleQueue()
+    results = _queue()
     samples: dict[str, list] = {name: [] for name in STANDALONE}
     stolen: dict[str, list] = {name: [] for name in STANDALONE}
     for _ in range(rounds):
@@ -317,7 +334,7 @@ def standalone(rounds: int) -> dict[str, float]:
             memory = shm_floor.create() if framework == "shm" else None
             try:
                 where = memory.name if memory is not None else _free_port()
-                mp.spawn(run_alone, args=(framework, busy_poll, where, results), nprocs=2)
+                _start(run_alone, (framework, busy_poll, where, results), 2)
             finally:
                 if memory is not None:
                     memory.close()
@@ -372,9 +389,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--standalone-rounds", type=int, default=3, help="0 to skip the tables of each framework alone")
+    parser.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
+                        help="how worker processes start (see above); the goals are for spawn")
     args = parser.parse_args()
-    shared = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(run, args=(_free_port(), _free_port(), args.rounds, shared), nprocs=WORLD)
+    global START_METHOD
+    START_METHOD = args.start_method
+    if START_METHOD == "forkserver":
+        print("processes started by forkserver: one address layout for all (docs/performance.md)", flush=True)
+        mp.set_forkserver_preload(["torch", "torch.distributed.rpc", "zmqautograd.rpc", "zmqautograd.autograd"])
+    shared = _queue()
+    _start(run, (_free_port(), _free_port(), args.rounds, shared), WORLD)
     ratios = {"shared": shared.get()}
     if args.standalone_rounds:
         ratios["alone"] = standalone(args.standalone_rounds)
