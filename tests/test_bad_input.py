@@ -75,3 +75,37 @@ def test_bombarded_worker_stays_up_and_serves(group):
     finally:
         raw.close()
         context.term()
+
+
+def test_malformed_context_releases_riding_on_a_call_do_not_fail_it(group):
+    """Context ids ride on calls ("rc", autograd/cleanup.py); ids that are no ids fail the
+    release (logged), never the call: both a Python function's (released before it runs) and
+    a builtin's (released after the answer)."""
+    from zmqautograd.rpc.serialization import RpcCodec, encode_function
+
+    address = rpc.rpc_sync("worker1", bf.address)
+    codec = RpcCodec()
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, b"intruder2")
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    try:
+        raw.send_multipart(codec.encode(Message(MessageType.HELLO, 0, "intruder2", {"identity": "intruder2"})))
+        calls = {21: (bf.protocol_errors, [], int), 22: (torch.add, [torch.ones(2), 1], torch.Tensor)}
+        for message_id, (function, args, _) in calls.items():
+            payload = {"f": encode_function(function), "a": args, "k": {}, "rc": [[1, 2], {"x": 1}]}
+            raw.send_multipart(codec.encode(Message(MessageType.PYTHON_CALL, message_id, "intruder2", payload)))
+        answered = {}
+        while len(answered) < len(calls) and raw.poll(10_000):
+            answer = codec.decode(raw.recv_multipart())
+            if answer.type is MessageType.PYTHON_RET:
+                answered[answer.id] = answer.payload["v"]
+        assert set(answered) == set(calls)
+        for message_id, (_, _, kind) in calls.items():
+            assert isinstance(answered[message_id], kind)
+        assert torch.equal(answered[22], torch.full((2,), 2.0))
+        assert torch.equal(rpc.rpc_sync("worker1", torch.mul, args=(torch.ones(3), 2)), torch.full((3,), 2.0))
+    finally:
+        raw.close()
+        context.term()

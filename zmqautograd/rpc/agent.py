@@ -676,21 +676,25 @@ class Agent:
         if releases is not None:
             self._release_riding(message.sender, releases, removed)
 
-    def _release_riding(self, sender: str, releases: Any, removed: list | None = None,
-                        first_half: bool = False) -> list:
-        """Release the contexts that rode on a call from ``sender``: all of it; or with
-        ``first_half`` only remove them here (returns those removed); or with ``removed``
-        (those) only pass them on (autograd/cleanup.py)."""
+    def _release_riding(self, sender: str, releases: Any, removed: list | None = None) -> None:
+        """Apply the context releases that rode on a call from ``sender`` (autograd/cleanup.py):
+        all of it, or, given what ``_remove_riding`` removed before the call ran, the rest."""
         try:
-            if first_half:
-                return cleanup.remove_here(self, releases)
             if removed is None:
                 cleanup.release_here(self, releases, int(sender))
             else:
                 cleanup.pass_on(self, removed, int(sender))
         except Exception:  # noqa: BLE001 - never the call's failure
             log.exception("%s: releasing the contexts %s from %s failed", self.info, releases, sender)
-        return []
+
+    def _remove_riding(self, sender: str, releases: Any) -> list:
+        """The first half of ``_release_riding``, before a Python function runs: remove the
+        contexts here (what it can observe); returns those removed."""
+        try:
+            return cleanup.remove_here(self, releases)
+        except Exception:  # noqa: BLE001 - never the call's failure
+            log.exception("%s: releasing the contexts %s from %s failed", self.info, releases, sender)
+            return []
 
     def _run_call(self, message: Message, releases: Any) -> list | None:
         """Run the call and answer it. The context ``releases`` that rode on it are of
@@ -706,7 +710,7 @@ class Agent:
                 context = autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], int(message.sender))
             function = resolve_function(payload["f"])
             if releases is not None and not isinstance(function, autograd_forward.BUILTIN_TYPES):
-                removed = self._release_riding(message.sender, releases, first_half=True)
+                removed = self._remove_riding(message.sender, releases)
             previous = self.autograd.set_current(context)
             try:
                 result = function(*payload["a"], **payload["k"])
