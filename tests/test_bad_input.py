@@ -3,6 +3,7 @@ can address with an error, refuses oversize messages, and then serves valid call
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import msgpack
@@ -27,6 +28,24 @@ def group():
     g.shutdown()
 
 
+@contextlib.contextmanager
+def _intruder(name: str, codec: Codec):
+    """A raw DEALER connected to worker1 as peer ``name``. It introduces itself properly, so
+    that it gets past HELLO and reaches the RPC layer."""
+    address = rpc.rpc_sync("worker1", bf.address)
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, name.encode())
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    try:
+        raw.send_multipart(codec.encode(Message(MessageType.HELLO, 0, name, {"identity": name})))
+        yield raw
+    finally:
+        raw.close()
+        context.term()
+
+
 def test_oversize_messages_are_refused_with_a_clear_error(group):
     with pytest.raises(RuntimeError, match=r"limit is 1048576"):
         rpc.rpc_sync("worker1", torch.add, args=(torch.zeros(LIMIT // 4 + 1), 1))
@@ -34,18 +53,10 @@ def test_oversize_messages_are_refused_with_a_clear_error(group):
 
 
 def test_bombarded_worker_stays_up_and_serves(group):
-    address = rpc.rpc_sync("worker1", bf.address)
     errors_before = rpc.rpc_sync("worker1", bf.protocol_errors)
     codec = Codec()
-    context = zmq.Context()
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.ROUTING_ID, b"intruder")
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(address)
     rng = random.Random(5)
-    try:
-        # It introduces itself properly, so that it gets past HELLO and reaches the RPC layer.
-        raw.send_multipart(codec.encode(Message(MessageType.HELLO, 0, "intruder", {"identity": "intruder"})))
+    with _intruder("intruder", codec) as raw:
         valid = codec.encode(Message(MessageType.PYTHON_CALL, 9, "intruder", {"x": torch.ones(4)}))
         hostile = [
             [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))] for _ in range(50)  # noise
@@ -72,9 +83,6 @@ def test_bombarded_worker_stays_up_and_serves(group):
         # Still up, and right.
         for i in range(20):
             assert torch.equal(rpc.rpc_sync("worker1", torch.mul, args=(torch.ones(3), i)), torch.full((3,), float(i)))
-    finally:
-        raw.close()
-        context.term()
 
 
 def test_malformed_context_releases_riding_on_a_call_do_not_fail_it(group):
@@ -83,15 +91,8 @@ def test_malformed_context_releases_riding_on_a_call_do_not_fail_it(group):
     a builtin's (released after the answer)."""
     from zmqautograd.rpc.serialization import RpcCodec, encode_function
 
-    address = rpc.rpc_sync("worker1", bf.address)
     codec = RpcCodec()
-    context = zmq.Context()
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.ROUTING_ID, b"intruder2")
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(address)
-    try:
-        raw.send_multipart(codec.encode(Message(MessageType.HELLO, 0, "intruder2", {"identity": "intruder2"})))
+    with _intruder("intruder2", codec) as raw:
         calls = {21: (bf.protocol_errors, [], int), 22: (torch.add, [torch.ones(2), 1], torch.Tensor)}
         for message_id, (function, args, _) in calls.items():
             payload = {"f": encode_function(function), "a": args, "k": {}, "rc": [[1, 2], {"x": 1}]}
@@ -106,6 +107,3 @@ def test_malformed_context_releases_riding_on_a_call_do_not_fail_it(group):
             assert isinstance(answered[message_id], kind)
         assert torch.equal(answered[22], torch.full((2,), 2.0))
         assert torch.equal(rpc.rpc_sync("worker1", torch.mul, args=(torch.ones(3), 2)), torch.full((3,), 2.0))
-    finally:
-        raw.close()
-        context.term()
