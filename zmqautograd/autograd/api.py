@@ -186,9 +186,7 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
     The future completes once the answer came and the gradients that rode on it (see
     ``Pass._fire_recv``) were delivered here."""
     agent = _agent()
-    # Back the way the tensors came: the inverse of the map they arrived through.
-    peer = agent.worker_info(info.from_worker).name
-    placement = agent.placement.request(peer) if info.in_response else agent.placement.response(peer)
+    placement = _placement_back(agent, info.from_worker, info.in_response)
     args = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads, agent.rank if awaited else -1)
     if ticketed:
         ticket = agent.autograd.new_message_id()
@@ -219,6 +217,14 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
     if posted is None:
         sent.add_done_callback(lambda done: answered(*_outcome(done)))
     return delivered
+
+
+def _placement_back(agent: Any, worker: int, in_response: bool) -> Any:
+    """Where the gradients of tensors that came from ``worker`` land there: back the way the
+    tensors came, through the inverse of the device map they arrived through (that of a
+    response when ``in_response``, else of a request)."""
+    name = agent.worker_info(worker).name
+    return agent.placement.request(name) if in_response else agent.placement.response(name)
 
 
 def _outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
@@ -310,8 +316,7 @@ def _forward_gradients(route: tuple, grads: list, run: Pass, last: bool) -> None
     if last:
         delegated = run.reports()
         run.reported = True
-    name = agent.worker_info(peer).name
-    placement = agent.placement.request(name) if in_response else agent.placement.response(name)
+    placement = _placement_back(agent, peer, in_response)
     args = (run.context.context_id, message_id, run.pass_id, run.retain_graph, grads, -1, ticket, run.wire_routes,
             run.sink, delegated)
     with profiled("torch::distributed::autograd::RecvRpcBackward"):
@@ -322,9 +327,8 @@ def _report(agent: Any, originator: int, sink: Any, context_id: int, pass_id: in
             riding: list | None, error: str | None) -> None:
     """Passes of ticketed requests are done (``reports``: [ticket, forwards made] each): tell
     the originator, at its report ``sink`` (engine.py, "Forwarding")."""
-    # Riding gradients are of tensors the originator sent in a request: back through the
-    # response device map, as on an answer.
-    placement = agent.placement.response(agent.worker_info(originator).name) if riding is not None else None
+    # Riding gradients are of tensors the originator sent in a request, as on an answer.
+    placement = _placement_back(agent, originator, False) if riding is not None else None
     try:
         if type(sink) is not int:
             raise RpcError(f"malformed report sink {sink!r:.40}")
