@@ -26,6 +26,7 @@ import traceback
 from typing import Any
 
 LEAK_WAIT = 10.0
+_BARRIER_FAILED = "the harness's barrier after the test failed"
 STACKS_AHEAD = 5.0  # seconds before the harness gives up on a test that its workers dump their stacks
 
 
@@ -92,7 +93,13 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
             container = rpc.api._current().autograd
             if not container.wait_released(None, LEAK_WAIT):
                 outcome = ("error", f"rank {rank}: {container.count()} autograd context(s) left after the test")
-        dist.barrier()
+        try:
+            dist.barrier()
+        except BaseException:  # noqa: BLE001 - another rank died: report what we have, then leave
+            faulthandler.cancel_dump_traceback_later()
+            detail = outcome[1] + "\n" if outcome[0] != "ok" else ""
+            conn.send(("error", f"{detail}rank {rank}: {_BARRIER_FAILED} (this worker leaves):\n{traceback.format_exc()}"))
+            os._exit(1)
         faulthandler.cancel_dump_traceback_later()  # (after the barrier: a rank stuck there is reported too)
         conn.send(outcome)
     if setup_rpc:
@@ -148,8 +155,14 @@ class SpmdGroup:
         try:
             return conn.recv()
         except EOFError:
-            self.processes[rank].join(5)
-            return "error", f"rank {rank}: process exited (code {self.processes[rank].exitcode})" + self._stacks_of(rank)
+            # Its end of the pipe closed: the process is exiting. A process that exits by an
+            # exception may still take a while (threads joined, finalizers): wait for its
+            # exit code no longer than the time left, plus a moment, so one slow exit does
+            # not push the report past the test's deadline.
+            process = self.processes[rank]
+            process.join(min(5.0, max(timeout, 0.5)))
+            how = f"exited (code {process.exitcode})" if process.exitcode is not None else "closed its pipe, still exiting"
+            return "error", f"rank {rank}: process {how}" + self._stacks_of(rank)
 
     def _stacks_of(self, rank: int) -> str:
         """What faulthandler wrote for ``rank`` (see the module's docstring), if anything."""
@@ -258,7 +271,7 @@ def _make_test(module_name: str, class_name: str, name: str, function: Any, opti
         try:
             get().run(class_name, name)
         except AssertionError as exc:
-            if "no answer" in str(exc) or "process exited" in str(exc):
+            if any(sign in str(exc) for sign in ("no answer", "process exited", "closed its pipe", _BARRIER_FAILED)):
                 broken()
             raise
 
