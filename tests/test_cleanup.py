@@ -3,6 +3,7 @@ releases riding on calls, end to end: test_autograd_graphs.py."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -53,3 +54,33 @@ def test_releases_added_to_a_waiting_batch_leave_with_it():
     batcher.add(2, [2, 3], send)
     assert send.sent_one.wait(10)
     assert send.sent == [(2, [1, 2, 3])]
+
+
+class _AgentWhoseCallsFail:
+    """The one part of an agent ``_send_batch`` uses, failing every call with ``error``."""
+
+    closed = False
+    rank = 0
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def call_retrying(self, *args, **kwargs):
+        raise self.error
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_release_that_cannot_reach_its_worker_is_logged_by_what_it_leaves_behind(caplog, lost):
+    from transport import PeerLostError
+    from zmqautograd.autograd import cleanup
+    from zmqautograd.rpc.errors import RpcError
+
+    error = PeerLostError("3", "lost peer '3': connection closed") if lost else RpcError("RPC ran for more than 5 s")
+    with caplog.at_level(logging.DEBUG, logger=cleanup.__name__):
+        cleanup._send_batch(_AgentWhoseCallsFail(error), 3, list(range(100, 130)))
+    (record,) = [r for r in caplog.records if r.name == cleanup.__name__]
+    # A lost worker's contexts died with it (its loss was reported once already); a live
+    # worker that kept them is worth a warning. Either way the ids are cut short.
+    assert record.levelno == (logging.DEBUG if lost else logging.WARNING)
+    assert "100, 101" in record.getMessage() and "and 22 more" in record.getMessage()
+    assert "129" not in record.getMessage()

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from transport import MessageType
+from transport import MessageType, PeerLostError
 
 from .. import timers
 from ..rpc import current
@@ -141,7 +141,7 @@ def _send_batch(agent: Any, worker: int, context_ids: list) -> None:
         sent = agent.call_retrying(worker, cleanup_contexts, (context_ids, agent.rank),
                                    MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
     except RuntimeError as exc:
-        log.warning("could not release autograd contexts %s on worker %d: %s", context_ids, worker, exc)
+        _release_failed(context_ids, worker, exc)
         return
     sent.add_done_callback(lambda f: _log_failure(f, context_ids, worker))
 
@@ -150,4 +150,19 @@ def _log_failure(future: torch.futures.Future, context_ids: list, worker: int) -
     try:
         future.value()
     except Exception as exc:  # noqa: BLE001
-        log.warning("could not release autograd contexts %s on worker %d: %s", context_ids, worker, exc)
+        _release_failed(context_ids, worker, exc)
+
+
+_IDS_LOGGED = 8
+
+
+def _release_failed(context_ids: list, worker: int, exc: Exception) -> None:
+    """Log a release that did not reach ``worker``. Its contexts there died with a lost worker
+    (whose loss the agent reported already: a warning per batch would repeat it for every
+    step that had reached it), so that is a debug line; any other failure leaves contexts
+    behind on a live worker, a warning."""
+    shown = ", ".join(map(str, context_ids[:_IDS_LOGGED]))
+    if len(context_ids) > _IDS_LOGGED:
+        shown += f" and {len(context_ids) - _IDS_LOGGED} more"
+    level = logging.DEBUG if isinstance(exc, PeerLostError) else logging.WARNING
+    log.log(level, "could not release autograd contexts [%s] on worker %d: %s", shown, worker, exc)
