@@ -63,6 +63,44 @@ def context_count() -> int:
     return rpc.api._current().autograd.count()
 
 
+def contexts_released(timeout: float) -> bool:
+    return rpc.api._current().autograd.wait_released(None, timeout)
+
+
+def add_on(worker: str, x):
+    """Pass the caller's autograd context on to ``worker``: it is known here, not there."""
+    return rpc.rpc_sync(worker, torch.add, args=(x, 1))
+
+
+_kept: list = []
+
+
+def keep(value) -> bool:
+    """Hold ``value`` (RRefs forked to this worker) for the life of the process."""
+    _kept.append(value)
+    return True
+
+
+def share_own_rref_with(worker: str) -> bool:
+    """Make an RRef owned here and fork it to ``worker`` (which keeps it); drop ours."""
+    return rpc.rpc_sync(worker, keep, args=(rpc.RRef(torch.ones(2)),))
+
+
+def owned_rrefs() -> int:
+    return rpc.api._current().rrefs.owned_count()
+
+
+def owned_rrefs_back_to(count: int, timeout: float) -> bool:
+    """Whether this worker owns ``count`` RRefs within ``timeout`` seconds. Polled: deletes
+    and a lost worker's forks go away on pool threads, with nothing to wait on."""
+    deadline = time.monotonic() + timeout
+    while owned_rrefs() != count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 _stop = threading.Event()
 
 

@@ -61,7 +61,7 @@ class KillGroup:
 
 @pytest.fixture(scope="module")
 def group():
-    g = KillGroup(6)
+    g = KillGroup(7)
     yield g
     g.close()
 
@@ -155,6 +155,38 @@ def test_kill_during_rref_fetch(group):
     assert detected < DETECTED
     with pytest.raises(RuntimeError, match="lost"):  # the RRef's owner is gone: clear on every use
         rref.to_here()
+    _assert_still_serving()
+
+
+def test_a_dead_workers_forks_and_the_contexts_it_passed_on_are_released_on_survivors(group):
+    """worker6 holds forks of RRefs that worker4 owns (one forked by a user, this worker;
+    one by the owner itself) and passes an autograd context of this worker on to worker4,
+    where only worker6 could release it. worker6 is killed: worker4 drops its forks and
+    that context, and an RRef this worker then fails to send to worker6 is not kept for it."""
+    base = rpc.rpc_sync("worker4", kf.owned_rrefs)
+    rref = rpc.remote("worker4", torch.ones, args=(2,))
+    assert torch.equal(rref.to_here(), torch.ones(2))
+    assert rpc.rpc_sync("worker6", kf.keep, args=(rref,))  # a user's fork, registered by worker6
+    assert rpc.rpc_sync("worker4", kf.share_own_rref_with, args=("worker6",))  # registered by the owner
+    assert rpc.rpc_sync("worker4", kf.owned_rrefs) == base + 2
+    context = dist_autograd._new_context()
+    rpc.rpc_sync("worker6", kf.add_on, args=("worker4", torch.ones(2, requires_grad=True)))
+    # The checks below run outside it: a call made in it would make worker4 known to it here.
+    rpc.api._current().autograd.set_current(None)
+    try:
+        assert rpc.rpc_sync("worker4", kf.context_count) == 1
+        killed = _kill(group, 6)
+        # Released there while this worker still holds the context: only worker6 knew
+        # worker4 in it, so only worker6 could have released it there.
+        assert rpc.rpc_sync("worker4", kf.contexts_released, args=(DETECTED,)), "context passed on by worker6 left"
+    finally:
+        dist_autograd._release_context(context._context_id())
+    print(f"\ncontext passed on by a dead worker released {(time.monotonic() - killed) * 1000:.0f} ms after its SIGKILL")
+    with pytest.raises(RuntimeError, match="worker6|'6'"):
+        rpc.rpc_sync("worker6", kf.keep, args=(rref,))  # (our fork for it is let go)
+    assert rpc.rpc_sync("worker4", kf.owned_rrefs_back_to, args=(base + 1, DETECTED)), "worker6's forks left"
+    del rref
+    assert rpc.rpc_sync("worker4", kf.owned_rrefs_back_to, args=(base, DETECTED)), "our RRef kept for worker6"
     _assert_still_serving()
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import re
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -294,6 +296,40 @@ def test_errors_for_unknown_workers_and_bad_arguments(group):
         rpc.rpc_sync("worker1", 42)
     with pytest.raises(rpc.SerializationError, match="could not be sent back"):
         rpc.rpc_sync("worker1", f.unpicklable_result)
+
+
+def _fail_and_let_go(call) -> bool:
+    """Make a failing call with a tensor argument, handle its error, and let go of both;
+    whether the tensor is still alive, with the cyclic garbage collector off: only a
+    reference cycle (or a leak) can keep it then."""
+    gc.disable()
+    try:
+        argument = torch.ones(3)
+        alive = weakref.ref(argument)
+        try:
+            call(argument)
+        except ValueError:
+            pass
+        del argument
+        return alive() is not None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["rpc_sync", "rpc_async"])
+def test_a_failed_call_keeps_nothing_of_it_alive(group, kind):
+    """The error of a failed call holds, in its traceback, the frames it passed through,
+    and they hold the call's arguments (tensors, RRefs). rpc_sync's frame must not hold the
+    error in turn (a cycle, freed only by the cyclic collector), nor may a future keep the
+    error it raises from wait() (a cycle through the future's C++ side, never freed)."""
+    def sync(x):
+        rpc.rpc_sync("worker1", f.raise_value_error, args=(x,))
+
+    def wait_async(x):
+        future = rpc.rpc_async("worker1", f.raise_value_error, args=(x,))
+        future.wait()
+
+    assert not _fail_and_let_go(sync if kind == "rpc_sync" else wait_async)
 
 
 def test_builtin_operators_with_arguments_they_do_not_take_raise_as_torchs_do(group):
@@ -703,6 +739,22 @@ def test_dropped_rrefs_leave_nothing_on_the_owner(group):
     assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline + 1000
     del rrefs
     _settle_everyone(group)
+    assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline
+
+
+def test_an_rref_dropped_while_its_remote_still_runs_leaves_nothing_on_the_owner(group):
+    """The remote() times out here while the owner still makes the value; the user drops
+    the RRef, whose delete the owner serves before the value is made. Once it is, nothing
+    references it any more."""
+    _settle_everyone(group)
+    baseline = rpc.rpc_sync("worker2", f.owned_rrefs)
+    rref = rpc.remote("worker2", f.wait_at_gate, args=(5,), timeout=0.5)
+    with pytest.raises(RuntimeError, match="RPC ran for more than"):
+        rref.to_here()
+    del rref
+    assert f.settle()  # our delete was answered: worker2 has it, its remote() still waits
+    rpc.rpc_sync("worker2", f.open_gate)
+    assert f.settle()  # the remote() was answered: it has run to its end
     assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline
 
 

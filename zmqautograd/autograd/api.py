@@ -13,6 +13,7 @@ from transport import MessageType
 
 from ..rpc import current
 from ..rpc.errors import RpcError
+from ..rpc.futures import Future
 from . import cleanup
 from .context import ContextContainer, DistAutogradContext
 from .engine import LOCAL_ROOT, Pass, plan_for, routes_for
@@ -196,7 +197,7 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
     if not awaited:
         agent.notify(info.from_worker, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ, placement)
         return None
-    delivered: torch.futures.Future = torch.futures.Future()
+    delivered: torch.futures.Future = Future()
 
     def answered(riding: Any, error: BaseException | None) -> None:
         if error is None and riding is not None:

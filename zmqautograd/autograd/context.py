@@ -307,8 +307,26 @@ class ContextContainer:
         a backward pass still running in one fails with ``error``. Returns how many."""
         with self._lock:
             orphans = [cid for cid in self._contexts if cid >> 48 == worker_id]
+        return self._release_all(orphans, error)
+
+    def release_unreachable(self, is_lost: Any, error: BaseException) -> int:
+        """Release every context created elsewhere whose other workers are all lost
+        (``is_lost(worker_id)``). A release reaches this worker only from a worker the
+        context knows (cleanup.py: each passes it on to the workers it sent to or heard
+        from), so nobody could release these any more. A backward pass still running in one
+        fails with ``error``. Returns how many."""
+        with self._lock:
+            contexts = [(cid, context) for cid, context in self._contexts.items() if cid >> 48 != self.worker_id]
+        stranded = []
+        for context_id, context in contexts:
+            others = context._known_worker_ids() - {self.worker_id}
+            if others and all(is_lost(worker) for worker in others):
+                stranded.append(context_id)
+        return self._release_all(stranded, error)
+
+    def _release_all(self, context_ids: list, error: BaseException) -> int:
         released = 0
-        for context_id in orphans:
+        for context_id in context_ids:
             context = self.remove(context_id)
             if context is not None:
                 released += 1

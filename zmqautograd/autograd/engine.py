@@ -73,6 +73,7 @@ from torch.autograd.graph import GradientEdge
 
 from .. import timers
 from ..rpc.errors import RpcError
+from ..rpc.futures import Future
 from .context import DistAutogradContext, add_gradients
 from .functions import (
     _ACCUMULATE_GRAD_TYPE, RECV_NODE_TYPE, SEND_NODE_TYPE, RecvInfo, profiling, call_tensor_hooks, is_leaf_node, is_recv_node, make_suppressible, post_hooks_of, profiled, recv_info,
@@ -577,7 +578,7 @@ class Pass:
         self._tickets: dict[int, int] = {}
         self._early: set = set()
         self._settled = 0
-        self.done = torch.futures.Future()  # all local work and every request we sent
+        self.done = Future()  # all local work and every request we sent
         self.node_runs = 0  # groups and recv functions run (tests count them)
         # The caller of backward() runs its pass's work itself (``run_at_home``): its
         # thread-local state (the profiler, grad mode) then applies, as torch's engine

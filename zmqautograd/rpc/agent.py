@@ -31,6 +31,7 @@ from transport.waiter import Waiter
 
 from . import current
 from .functions import check_async_result, is_async_function
+from .futures import Future
 from .errors import RpcError, RpcTimeoutError, SerializationError, as_operator_error
 from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
@@ -142,7 +143,7 @@ class _SyncSlot:
         return self.finished
 
 
-class _CallFuture(torch.futures.Future):
+class _CallFuture(Future):
     """The future of an ``rpc_async`` call. While nobody has registered a callback on it (most
     callers ``wait()`` or ``wait_all``), the I/O thread completes it with a small plain
     answer itself, one thread hand-over fewer than through the pool; a callback registered
@@ -434,8 +435,26 @@ class Agent:
                    placement: Placement | None) -> list:
         """The frames of a message we start (a call, a one-way call, a report) to ``info``:
         CUDA tensors land by ``placement``, by default our device map to that worker."""
-        return self.codec.encode(message, tensors, placement or self.placement.request(info.name),
-                                 self._cuda_ipc_to(info.id))
+        return self._encode(info.id, message, tensors, placement or self.placement.request(info.name),
+                            self._cuda_ipc_to(info.id))
+
+    def _encode(self, to: int | None, message: Message, tensors: list | None, placement: Placement | None,
+                cuda_ipc: bool) -> list:
+        """``codec.encode`` for a message to worker ``to`` (None: no member), noting where the
+        RRef forks made while encoding it go, or taking them back if it cannot be encoded
+        (rref.py: a lost worker's forks are let go)."""
+        rrefs = self.rrefs
+        try:
+            frames = self.codec.encode(message, tensors, placement, cuda_ipc)
+        except BaseException:
+            if rrefs.forks_made:
+                rrefs.unsent(rrefs.take_made())
+            raise
+        if rrefs.forks_made:  # (0 until this worker sends its first RRef)
+            made = rrefs.take_made()
+            if made and to is not None:
+                rrefs.sent_to(made, to)
+        return frames
 
     def _cuda_ipc_to(self, peer: int | str) -> bool:
         """Whether CUDA tensors for ``peer`` (its rank, or its name on the wire) go by CUDA IPC
@@ -459,7 +478,7 @@ class Agent:
         A lost peer or an error raised by the function itself is final."""
         if message_type not in RETRYABLE_TYPES:
             raise ValueError(f"{message_type.name} is not a retryable message type (its receiver may not be idempotent)")
-        result: torch.futures.Future = torch.futures.Future()
+        result: torch.futures.Future = Future()
         options = self.options
         with self._lock:  # graceful shutdown waits for these too, between tries included
             self._retrying += 1
@@ -563,8 +582,16 @@ class Agent:
             self._wait(slot)
         if slot.envelope is not None:  # handed over undecoded by the I/O thread
             slot.value, slot.error = self._decode_response(slot.envelope, slot.to)
-        if slot.error is not None:
-            raise slot.error
+        error = slot.error
+        if error is not None:
+            # The error's traceback will hold this frame: a frame that still refers to the
+            # error (or to the slot that does) would make a cycle, which keeps the call's
+            # arguments (tensors, RRefs) alive until the cyclic garbage collector runs.
+            del slot
+            try:
+                raise error
+            finally:
+                del error
         return slot.value
 
     def _wait(self, slot: _SyncSlot) -> None:
@@ -761,8 +788,8 @@ class Agent:
         try:
             tensors = [] if context is not None else None  # only recording needs them
             caller = self.workers_by_id.get(int(to)) if to.isdigit() else None
-            frames = self.codec.encode(reply, tensors, self.placement.response(caller.name if caller else to),
-                                       self._cuda_ipc_to(to))
+            frames = self._encode(caller.id if caller else None, reply, tensors,
+                                  self.placement.response(caller.name if caller else to), self._cuda_ipc_to(to))
         except (LocalProtocolError, SerializationError, DeviceMapError) as exc:
             # The result itself cannot travel (or has no device map back): the caller gets
             # that as its error.
@@ -852,6 +879,13 @@ class Agent:
         orphans = self.autograd.release_created_by(int(peer), PeerLostError(peer, f"creator lost: {error}"))
         if orphans:
             log.warning("%s: released %d autograd context(s) of lost worker %s", self.info, orphans, peer)
+        # Contexts that only lost workers could still release (it passed them on to us).
+        stranded = self.autograd.release_unreachable(
+            lambda worker: self.endpoint.is_lost(str(worker)), PeerLostError(peer, f"released: {error}"))
+        if stranded:
+            log.warning("%s: released %d autograd context(s) that only lost workers reached", self.info, stranded)
+        # Forks it held of our values, and our RRefs kept for it (rref.py).
+        self.rrefs.peer_lost(int(peer))
 
     # -------------------------------------------------------------------------- timeouts
 
@@ -875,7 +909,7 @@ class Agent:
 
     def _arrive(self, rank: int) -> torch.futures.Future:
         """On the leader: one future per arrival, all completed once everyone has arrived."""
-        arrival: torch.futures.Future = torch.futures.Future()
+        arrival: torch.futures.Future = Future()
         with self._lock:
             self._arrivals[rank] = arrival
             everyone = len(self._arrivals) == len(self.workers)

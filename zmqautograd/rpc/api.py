@@ -11,6 +11,7 @@ from transport import MessageType, TransportError
 
 from .agent import Agent, WorkerInfo
 from .errors import RpcError, RpcNotInitializedError
+from .futures import Future
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, BackendType, ZmqRpcBackendOptions
 from .rendezvous import Rendezvous
 from .rref import RRef, _run_remote
@@ -134,7 +135,7 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
     # is the RRef's creation error, raised when it is used (to_here, passing it on).
     if owned_here:  # the local handle exists before the call can run
         rref = RRef._owner_handle(context, rref_id, type_name)
-        rref._creation = torch.futures.Future()
+        rref._creation = Future()
 
         def settled(done: torch.futures.Future) -> None:
             try:
@@ -151,7 +152,7 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
         try:
             sent = agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
         except TransportError as exc:
-            failed: torch.futures.Future = torch.futures.Future()
+            failed: torch.futures.Future = Future()
             failed.set_exception(exc)
             settled(failed)
             return rref

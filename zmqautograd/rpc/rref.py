@@ -18,6 +18,13 @@ its own, exists:
 The pool serves these messages concurrently, so they may arrive in any order. Every owner
 operation is get-or-create, and a delete that arrives before its fork's registration leaves
 a tombstone. Duplicates are harmless, which issue 5's retries rely on.
+
+A worker that dies can never delete its forks nor accept the forks sent to it, so the owner
+notes which worker holds each fork (and sent each early delete), and the sender of a fork
+which worker it went to: when a worker is lost (``peer_lost``) its forks and early deletes
+go from the owners, and the RRefs kept for it as a child from their senders, as if it had
+deleted them (torch keeps them forever). A message whose forks could not be sent at all
+takes them back (``unsent``).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from transport import MessageType
 from . import current
 from .errors import as_operator_error
 from .functions import check_async_result, is_async_function
+from .futures import Future
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +53,10 @@ RRefId = tuple  # (worker id that created it, counter)
 
 @dataclass
 class _OwnerEntry:
-    value: torch.futures.Future = field(default_factory=torch.futures.Future)
-    forks: set = field(default_factory=set)  # fork ids of live users
-    deleted_early: set = field(default_factory=set)  # deletes that came before their fork
+    value: torch.futures.Future = field(default_factory=Future)
+    # fork id -> the worker that holds it (None until the message that carries it is sent)
+    forks: dict = field(default_factory=dict)
+    deleted_early: dict = field(default_factory=dict)  # deletes that came before their fork: id -> sender
     local_handles: int = 0
     created: bool = False  # the remote() call (or RRef(value)) has set it up
 
@@ -59,7 +68,13 @@ class RRefContext:
         self.agent = agent
         self._lock = threading.Lock()
         self._owned: dict[RRefId, _OwnerEntry] = {}
-        self._pending_children: dict[tuple, "RRef"] = {}  # fork id -> our RRef, until accepted
+        # fork id -> (our RRef, the child it went to: None until sent), until the child accepts
+        self._pending_children: dict[tuple, tuple] = {}
+        # Forks made while encoding a message on this thread, for the agent to tell where the
+        # message went (``sent_to``) or that it did not go (``unsent``); ``forks_made`` counts
+        # them on all threads, so that a program that never sends an RRef never looks.
+        self._made = threading.local()
+        self.forks_made = 0
         self._counter = itertools.count(1)
         self._users: weakref.WeakSet = weakref.WeakSet()  # user RRefs here (debug_info counts the unconfirmed)
         self._control_in_flight = 0  # fork requests, child accepts and deletes not answered yet
@@ -89,37 +104,39 @@ class RRefContext:
         with self._lock:
             return self._entry(rref_id).value
 
-    def add_fork(self, rref_id: RRefId, fork_id: tuple) -> None:
+    def add_fork(self, rref_id: RRefId, fork_id: tuple, holder: int | None = None) -> None:
         with self._lock:
             entry = self._entry(rref_id)
             if fork_id in entry.deleted_early:
-                entry.deleted_early.discard(fork_id)  # its delete came first: nothing to keep
+                del entry.deleted_early[fork_id]  # its delete came first: nothing to keep
                 self._maybe_release(rref_id, entry)
             else:
-                entry.forks.add(fork_id)
+                entry.forks[fork_id] = holder
 
-    def delete_fork(self, rref_id: RRefId, fork_id: tuple) -> None:
+    def delete_fork(self, rref_id: RRefId, fork_id: tuple, sender: int | None = None) -> None:
         with self._lock:
-            entry = self._owned.get(rref_id)
-            if entry is None:
-                entry = self._entry(rref_id)
+            entry = self._entry(rref_id)
             if fork_id in entry.forks:
-                entry.forks.discard(fork_id)
+                del entry.forks[fork_id]
             else:
-                entry.deleted_early.add(fork_id)
+                entry.deleted_early[fork_id] = sender
             self._maybe_release(rref_id, entry)
 
     def set_created(self, rref_id: RRefId) -> None:
+        """The value is set up. Every fork may be gone by then: a user may delete its RRef
+        while the remote() that makes the value still runs (the pool serves both at once)."""
         with self._lock:
-            self._entry(rref_id).created = True
+            entry = self._entry(rref_id)
+            entry.created = True
+            self._maybe_release(rref_id, entry)
 
     def fail_creation(self, rref_id: RRefId, error: BaseException) -> None:
         """remote() to ourselves could not be sent: the value is that error."""
         with self._lock:
             entry = self._entry(rref_id)
-            entry.created = True
         if not entry.value.done():
             entry.value.set_exception(error)
+        self.set_created(rref_id)
 
     def add_local_handle(self, rref_id: RRefId) -> None:
         with self._lock:
@@ -157,7 +174,7 @@ class RRefContext:
                     _, owner_id, rref_id, fork_id = item
                     agent = self.agent
                     if not agent.closed and agent.rrefs is self:
-                        self._control(owner_id, _delete_fork, (list(rref_id), list(fork_id)),
+                        self._control(owner_id, _delete_fork, (list(rref_id), list(fork_id), agent.rank),
                                       MessageType.RREF_USER_DELETE)
             except Exception as exc:  # noqa: BLE001 - the owner's peer-loss handling covers the rest
                 log.debug("releasing %s failed: %s", item, exc)
@@ -182,11 +199,63 @@ class RRefContext:
 
     def keep_for_child(self, fork_id: tuple, rref: "RRef") -> None:
         with self._lock:
-            self._pending_children[fork_id] = rref
+            self._pending_children[fork_id] = (rref, None)
 
     def child_accepted(self, fork_id: tuple) -> None:
         with self._lock:
-            self._pending_children.pop(fork_id, None)
+            kept = self._pending_children.pop(fork_id, None)
+        del kept  # (our RRef's __del__, if this was its last reference, outside the lock)
+
+    # ------------------------------------------------------------- forks and lost workers
+
+    def take_made(self) -> list | None:
+        """The forks this thread made while encoding its last message (and forgets them)."""
+        made = getattr(self._made, "forks", None)
+        if made:
+            self._made.forks = None
+        return made
+
+    def sent_to(self, made: list, to: int) -> None:
+        """The message holding the forks ``made`` went to worker ``to``: it holds them now."""
+        with self._lock:
+            for rref_id, fork_id in made:
+                if rref_id is None:  # a fork of a user RRef: kept for the child until it accepts
+                    kept = self._pending_children.get(fork_id)
+                    if kept is not None:
+                        self._pending_children[fork_id] = (kept[0], to)
+                else:
+                    entry = self._owned.get(rref_id)
+                    if entry is not None and fork_id in entry.forks:
+                        entry.forks[fork_id] = to
+        if to != self.agent.rank and self.agent.endpoint.is_lost(str(to)):
+            self.peer_lost(to)  # lost before we noted it: what peer_lost found had no holder yet
+
+    def unsent(self, made: list | None) -> None:
+        """The message holding the forks ``made`` could not be sent: take them back."""
+        for rref_id, fork_id in made or ():
+            if rref_id is None:
+                self.child_accepted(fork_id)
+            else:
+                self.delete_fork(rref_id, fork_id)
+
+    def peer_lost(self, worker: int) -> None:
+        """``worker`` is gone: drop the forks it held of our values and the deletes it sent
+        early, and let go of the RRefs we kept for it as a child."""
+        with self._lock:
+            for rref_id, entry in list(self._owned.items()):
+                held = [f for f, holder in entry.forks.items() if holder == worker]
+                early = [f for f, sender in entry.deleted_early.items() if sender == worker]
+                if held or early:
+                    for fork_id in held:
+                        del entry.forks[fork_id]
+                    for fork_id in early:
+                        del entry.deleted_early[fork_id]
+                    self._maybe_release(rref_id, entry)
+            children = [f for f, (_, child) in self._pending_children.items() if child == worker]
+            kept = [self._pending_children.pop(f) for f in children]
+        if kept:
+            log.debug("let go of %d RRef(s) kept for lost worker %d", len(kept), worker)
+        del kept  # (outside the lock: see child_accepted)
 
     def _accept_child(self, parent: int, fork_id: tuple) -> None:
         """Tell the worker that forked this RRef to us that it may let go of its own."""
@@ -237,8 +306,15 @@ class RRefContext:
         if rref.is_owner():
             # The owner registers the fork itself; the receiver's delete will remove it.
             self.add_fork(rref.rref_id, fork_id)
+            made = (rref.rref_id, fork_id)
         else:
             self.keep_for_child(fork_id, rref)
+            made = (None, fork_id)
+        forks = getattr(self._made, "forks", None)
+        if forks is None:
+            forks = self._made.forks = []
+        forks.append(made)
+        self.forks_made += 1
         return [list(rref.rref_id), rref.owner_id, list(fork_id), self.agent.rank, rref._type_name]
 
     def decode(self, value: list) -> "RRef":
@@ -257,7 +333,7 @@ class RRefContext:
         if parent == owner_id:
             rref._confirmed.set()  # the owner registered this fork when it sent it
             return rref
-        registered = self._control(owner_id, _fork_request, (list(rref_id), list(fork_id)),
+        registered = self._control(owner_id, _fork_request, (list(rref_id), list(fork_id), agent.rank),
                                    MessageType.RREF_FORK_REQUEST)
 
         def confirmed(done: Any) -> None:
@@ -278,10 +354,9 @@ class RRef:
     def __init__(self, value: Any, type_hint: type | None = None):
         context = current.agent().rrefs
         rref_id = context.new_id()
-        future = context.owner_value(rref_id)
-        future.set_result(value)
+        self._init_owner(context, rref_id, (type_hint or type(value)).__qualname__)  # (a handle first)
+        context.owner_value(rref_id).set_result(value)
         context.set_created(rref_id)
-        self._init_owner(context, rref_id, (type_hint or type(value)).__qualname__)
 
     # How handles are made (not through __init__, which is the public RRef(value)).
     @classmethod
@@ -296,7 +371,7 @@ class RRef:
         rref._context, rref.rref_id, rref.owner_id, rref.fork_id = context, rref_id, owner_id, fork_id
         rref._type_name = type_name
         rref._confirmed = threading.Event()
-        rref._creation: torch.futures.Future = torch.futures.Future()  # settles with the owner's answer
+        rref._creation: torch.futures.Future = Future()  # settles with the owner's answer
         context._users.add(rref)
         return rref
 
@@ -305,7 +380,7 @@ class RRef:
         self._type_name = type_name
         self._confirmed = threading.Event()
         self._confirmed.set()
-        self._creation = torch.futures.Future()
+        self._creation = Future()
         self._creation.set_result(True)
         context.add_local_handle(rref_id)
 
@@ -400,7 +475,7 @@ class RRef:
             future = None  # a failed ask is not kept: ask again
         if future is None:
             if self.is_owner():
-                future = torch.futures.Future()
+                future = Future()
                 try:
                     future.set_result(type(self.local_value()))
                 except Exception as exc:  # the value's creation failed: so does this
@@ -411,7 +486,7 @@ class RRef:
 
                 self._check_created()
                 asked = api.rpc_async(self.owner(), _type_on_owner, args=(self,), timeout=timeout)
-                future = torch.futures.Future()  # not asked.then(): it would wrap the owner's error
+                future = Future()  # not asked.then(): it would wrap the owner's error
                 asked.add_done_callback(lambda done: _settle(future, done, resolve_function))
             self._type_future = future
         return future.wait() if blocking else future
@@ -495,8 +570,8 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
     from .serialization import resolve_function
 
     context, rref_id = _context(), tuple(rref_id)
-    if fork_id is not None:
-        context.add_fork(rref_id, tuple(fork_id))
+    if fork_id is not None:  # made by the caller, who holds it: its fork ids carry its rank
+        context.add_fork(rref_id, tuple(fork_id), fork_id[0])
     future = context.owner_value(rref_id)
     try:
         function = resolve_function(function)
@@ -543,16 +618,16 @@ def _fetch(rref_id: list) -> torch.futures.Future:
 _fetch._wrapped_async_rpc_function = _fetch  # answered when the value is ready
 
 
-def _fork_request(rref_id: list, fork_id: list) -> None:
-    _context().add_fork(tuple(rref_id), tuple(fork_id))
+def _fork_request(rref_id: list, fork_id: list, holder: int | None = None) -> None:
+    _context().add_fork(tuple(rref_id), tuple(fork_id), holder)
 
 
 def _child_accept(fork_id: list) -> None:
     _context().child_accepted(tuple(fork_id))
 
 
-def _delete_fork(rref_id: list, fork_id: list) -> None:
-    _context().delete_fork(tuple(rref_id), tuple(fork_id))
+def _delete_fork(rref_id: list, fork_id: list, sender: int | None = None) -> None:
+    _context().delete_fork(tuple(rref_id), tuple(fork_id), sender)
 
 
 def _backward_on_owner(rref_id: list, context_id: int, retain_graph: bool) -> None:
@@ -586,7 +661,7 @@ def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> torch.futu
     if is_async_function(method):
         check_async_result(method, result)
         return result
-    done: torch.futures.Future = torch.futures.Future()
+    done: torch.futures.Future = Future()
     done.set_result(result)
     return done
 

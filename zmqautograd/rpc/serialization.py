@@ -13,7 +13,6 @@ import importlib
 import io
 import pickle
 import sys
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from transport.codec import Codec, Extension
 
 from .errors import RemoteException, SerializationError
+from .futures import traceback_text
 
 EXT_PICKLE = 16
 EXT_FUNCTION = 17
@@ -225,7 +225,7 @@ def encode_exception(exc: BaseException) -> dict:
         "module": kind.__module__,
         "type": kind.__qualname__,
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(kind, exc, exc.__traceback__)),
+        "traceback": traceback_text(exc),
     }
 
 
