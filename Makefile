@@ -3,7 +3,7 @@
 
 PYTHON ?= python3
 
-.PHONY: demo test bench bench-transport pingpong
+.PHONY: demo test bench bench-transport pingpong stress
 
-demo test bench bench-transport pingpong:
+demo test bench bench-transport pingpong stress:
 	$(PYTHON) dev.py $@
