@@ -71,8 +71,9 @@ class RRefContext:
         # fork id -> (our RRef, the child it went to: None until sent), until the child accepts
         self._pending_children: dict[tuple, tuple] = {}
         # Forks made while encoding a message on this thread, for the agent to tell where the
-        # message went (``sent_to``) or that it did not go (``unsent``); ``forks_made`` counts
-        # them on all threads, so that a program that never sends an RRef never looks.
+        # message went (``sent_to``) or that it did not go (``unsent``). ``forks_made`` is 0
+        # until the first fork on any thread (increments may race; it never returns to 0): a
+        # program that never sends an RRef never looks.
         self._made = threading.local()
         self.forks_made = 0
         self._counter = itertools.count(1)
