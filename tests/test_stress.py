@@ -1,0 +1,26 @@
+"""tools/stress.py, short: a random mix of calls, RRef forks and distributed passes from 4
+threads while a worker is SIGKILLed; every result checked, every error naming the dead
+worker, nothing left on the survivors afterwards (a future that kept its failed waiter's
+frames, a dead worker's RRef forks and the contexts it passed on all left things there)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_random_mix_with_a_worker_killed_leaves_nothing_on_the_survivors():
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "stress.py"), "--seconds", "15",
+                          "--kill-after", "5", "--seed", "11"],
+                         capture_output=True, text=True, timeout=150, cwd=ROOT)
+    summary = run.stdout
+    print(summary)
+    assert run.returncode == 0, summary + run.stderr[-3000:]
+    assert "left on survivors: nothing" in summary and "failed, naming the dead worker" in summary, summary
