@@ -9,6 +9,7 @@ import torch
 
 import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
+from zmqautograd.rpc.rref import _owned_count
 
 _started = threading.Event()
 _call_started = threading.Event()
@@ -86,15 +87,11 @@ def share_own_rref_with(worker: str) -> bool:
     return rpc.rpc_sync(worker, keep, args=(rpc.RRef(torch.ones(2)),))
 
 
-def owned_rrefs() -> int:
-    return rpc.api._current().rrefs.owned_count()
-
-
 def owned_rrefs_back_to(count: int, timeout: float) -> bool:
     """Whether this worker owns ``count`` RRefs within ``timeout`` seconds. Polled: deletes
     and a lost worker's forks go away on pool threads, with nothing to wait on."""
     deadline = time.monotonic() + timeout
-    while owned_rrefs() != count:
+    while _owned_count() != count:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)

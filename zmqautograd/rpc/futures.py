@@ -37,7 +37,7 @@ def keep_without_traceback(error: BaseException) -> None:
     """Drop ``error``'s traceback (and those of the errors it was raised from), keeping what
     it said as text for ``traceback_text``."""
     if error.__traceback__ is not None and getattr(error, "_traceback_text", None) is None:
-        error._traceback_text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        error._traceback_text = _formatted(error)
     seen = set()
     while error is not None and id(error) not in seen:  # (a chain may loop)
         seen.add(id(error))
@@ -48,8 +48,10 @@ def keep_without_traceback(error: BaseException) -> None:
 def traceback_text(error: BaseException) -> str:
     """The traceback of ``error`` as text: where it was first raised, if a future kept it."""
     kept = getattr(error, "_traceback_text", None)
-    if kept is not None:
-        return kept
+    return kept if kept is not None else _formatted(error)
+
+
+def _formatted(error: BaseException) -> str:
     return "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
