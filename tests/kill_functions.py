@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from transport.faults import FaultPolicy
 import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
 from zmqautograd.rpc.rref import _owned_count
@@ -85,6 +86,14 @@ def keep(value) -> bool:
 def share_own_rref_with(worker: str) -> bool:
     """Make an RRef owned here and fork it to ``worker`` (which keeps it); drop ours."""
     return rpc.rpc_sync(worker, keep, args=(rpc.RRef(torch.ones(2)),))
+
+
+def share_unmade_rref(owner: str, to: str) -> bool:
+    """remote() on ``owner`` with its call held back here for a minute (fault injection), the
+    RRef forked to ``to`` meanwhile: ``owner`` hears of the value from ``to``'s fork request
+    long before the call that makes it would arrive."""
+    rpc.api._current().endpoint.faults = FaultPolicy(messages_to_delay={"PYTHON_REMOTE_CALL": 60.0})
+    return rpc.rpc_sync(to, keep, args=(rpc.remote(owner, torch.ones, args=(2,)),))
 
 
 def owned_rrefs_back_to(count: int, timeout: float) -> bool:

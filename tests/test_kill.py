@@ -62,7 +62,7 @@ class KillGroup:
 
 @pytest.fixture(scope="module")
 def group():
-    g = KillGroup(7)
+    g = KillGroup(8)
     yield g
     g.close()
 
@@ -80,7 +80,9 @@ def _raises_within(run, bound: float) -> tuple[threading.Thread, dict]:
         try:
             run()
         except BaseException as exc:  # noqa: BLE001
-            outcome["error"] = exc
+            # Without its traceback, which would hold this frame and so ``outcome``: a cycle
+            # that keeps what ``run`` refers to alive until the cyclic collector runs.
+            outcome["error"] = exc.with_traceback(None)
         outcome["at"] = time.monotonic()
 
     thread = threading.Thread(target=target, daemon=True)
@@ -188,6 +190,27 @@ def test_a_dead_workers_forks_and_the_contexts_it_passed_on_are_released_on_surv
     assert rpc.rpc_sync("worker4", kf.owned_rrefs_back_to, args=(base + 1, DETECTED)), "worker6's forks left"
     del rref
     assert rpc.rpc_sync("worker4", kf.owned_rrefs_back_to, args=(base, DETECTED)), "our RRef kept for worker6"
+    _assert_still_serving()
+
+
+def test_a_value_whose_dead_creator_never_made_it_fails_its_fetch_and_goes(group):
+    """worker7's remote() to worker4 is held back on worker7 while its RRef is forked to this
+    worker, whose fork request makes worker4 expect the value. worker7 is killed before its
+    call leaves: this worker's fetch fails naming worker7 instead of waiting for ever, and
+    worker4 keeps nothing once this worker drops its RRef."""
+    base = rpc.rpc_sync("worker4", rref_module._owned_count)
+    assert rpc.rpc_sync("worker7", kf.share_unmade_rref, args=("worker4", "worker0"))
+    rref = kf._kept.pop()
+    assert rpc.rpc_sync("worker4", kf.owned_rrefs_back_to, args=(base + 1, DETECTED)), "the fork never came"
+    thread, outcome = _raises_within(rref.to_here, 0)
+    killed = _kill(group, 7)
+    thread.join(DETECTED + 10)
+    assert not thread.is_alive(), "to_here still waits for a value whose creator is dead"
+    print(f"\nfetch of a value its dead creator never made failed {(outcome['at'] - killed) * 1000:.0f} ms "
+          f"after the SIGKILL: {outcome['error']}")
+    assert "worker 7, was lost before its remote() call arrived" in str(outcome["error"])
+    del rref, outcome, thread
+    assert rpc.rpc_sync("worker4", kf.owned_rrefs_back_to, args=(base, DETECTED)), "the value never made stays"
     _assert_still_serving()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from transport.errors import PeerLostError
 from zmqautograd.rpc.rref import RRef, RRefContext
 
 pytestmark = pytest.mark.timeout(30)
@@ -79,4 +80,47 @@ def test_a_lost_worker_s_forks_and_early_deletes_go(context):
     context.peer_lost(5)
     assert context._owned[(0, 8)].forks == {(3, 1): 3} and not context._owned[(0, 8)].deleted_early
     context.peer_lost(3)
+    assert context.owned_count() == 0
+
+
+def _owned_value(rrefs: RRefContext, rref_id: tuple) -> None:
+    """A value this worker owns and created, which only forks keep now."""
+    owned = RRef.__new__(RRef)
+    owned._init_owner(rrefs, rref_id, "Tensor")
+    rrefs.owner_value(rref_id).set_result(1)
+    rrefs.set_created(rref_id)
+    del owned
+    rrefs.flush_releases(10)  # (our handle's release)
+
+
+def test_requests_of_a_lost_worker_handled_after_its_loss_keep_nothing(context):
+    """A fork request or an early delete that waited in our pool while its sender's loss was
+    handled: the loss could not drop what was not there yet, so noting it would keep it."""
+    _owned_value(context, (0, 9))
+    context.add_fork((0, 9), (3, 1), holder=3)  # keeps the value
+    context.agent.endpoint.lost.add("5")
+    context.peer_lost(5)
+    context.add_fork((0, 9), (5, 1), holder=5)
+    context.delete_fork((0, 9), (5, 2), sender=5)  # its fork request has not come
+    entry = context._owned[(0, 9)]
+    assert entry.forks == {(3, 1): 3} and entry.deleted_early == {}
+
+
+def test_a_value_its_lost_creator_never_created_fails_and_goes(context):
+    """Worker 5's remote() to us never arrived (it died first), but worker 3 registered its
+    fork and fetches the value: the fetch fails naming worker 5, and the value goes with the
+    fork."""
+    context.add_fork((5, 1), (3, 1), holder=3)
+    fetched = context.owner_value((5, 1))
+    context.add_fork((5, 2), (3, 2), holder=3)
+    context.agent.endpoint.lost.add("5")
+    context.peer_lost(5, RuntimeError("the connection broke"))
+    assert fetched.done()  # (a wait would never end otherwise)
+    with pytest.raises(PeerLostError, match=r"creator, worker 5, was lost before its remote\(\) call arrived "
+                                            r"\(the connection broke\)") as raised:
+        fetched.wait()
+    assert raised.value.peer == "5"
+    assert context.owned_count() == 2  # worker 3 holds its forks
+    context.delete_fork((5, 1), (3, 1), sender=3)
+    context.delete_fork((5, 2), (3, 2), sender=3)
     assert context.owned_count() == 0

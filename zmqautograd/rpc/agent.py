@@ -885,7 +885,7 @@ class Agent:
         if stranded:
             log.warning("%s: released %d autograd context(s) that only lost workers reached", self.info, stranded)
         # Forks it held of our values, and our RRefs kept for it (rref.py).
-        self.rrefs.peer_lost(int(peer))
+        self.rrefs.peer_lost(int(peer), error)
 
     # -------------------------------------------------------------------------- timeouts
 

@@ -23,8 +23,10 @@ A worker that dies can never delete its forks nor accept the forks sent to it, s
 notes which worker holds each fork (and sent each early delete), and the sender of a fork
 which worker it went to: when a worker is lost (``peer_lost``) its forks and early deletes
 go from the owners, and the RRefs kept for it as a child from their senders, as if it had
-deleted them (torch keeps them forever). A message whose forks could not be sent at all
-takes them back (``unsent``).
+deleted them (torch keeps them forever). A value that others asked for before its remote()
+arrived, whose creator is lost, fails with an error naming the creator, for whoever fetches
+it. A fork request or early delete handled after its sender's loss keeps nothing. A message
+whose forks could not be sent at all takes them back (``unsent``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any, Callable
 import torch
 
 from transport import MessageType
+from transport.errors import PeerLostError
 
 from . import current
 from .errors import as_operator_error
@@ -111,6 +114,10 @@ class RRefContext:
             if fork_id in entry.deleted_early:
                 del entry.deleted_early[fork_id]  # its delete came first: nothing to keep
                 self._maybe_release(rref_id, entry)
+            elif self._is_lost(holder):
+                # A request that waited in our pool while its sender's loss was handled:
+                # ``peer_lost`` could not drop a fork not yet there, and nobody else will.
+                self._maybe_release(rref_id, entry)
             else:
                 entry.forks[fork_id] = holder
 
@@ -119,9 +126,15 @@ class RRefContext:
             entry = self._entry(rref_id)
             if fork_id in entry.forks:
                 del entry.forks[fork_id]
-            else:
+            elif not self._is_lost(sender):  # (a lost sender's fork is never kept: add_fork)
                 entry.deleted_early[fork_id] = sender
             self._maybe_release(rref_id, entry)
+
+    def _is_lost(self, worker: int | None) -> bool:
+        """Whether ``worker`` (a fork's holder, None for one we registered ourselves) is lost.
+        Checked under the lock: ``peer_lost`` runs after the endpoint marks a worker lost, so
+        a fork noted before that mark is dropped by it, and one after it is never noted."""
+        return worker is not None and worker != self.agent.rank and self.agent.endpoint.is_lost(str(worker))
 
     def set_created(self, rref_id: RRefId) -> None:
         """The value is set up. Every fork may be gone by then: a user may delete its RRef
@@ -239,23 +252,37 @@ class RRefContext:
             else:
                 self.delete_fork(rref_id, fork_id)
 
-    def peer_lost(self, worker: int) -> None:
+    def peer_lost(self, worker: int, error: BaseException | None = None) -> None:
         """``worker`` is gone: drop the forks it held of our values and the deletes it sent
-        early, and let go of the RRefs we kept for it as a child."""
+        early, fail the values its remote() calls were to create but never did (``error``
+        says why), and let go of the RRefs we kept for it as a child."""
+        unborn = []
         with self._lock:
             for rref_id, entry in list(self._owned.items()):
                 held = [f for f, holder in entry.forks.items() if holder == worker]
                 early = [f for f, sender in entry.deleted_early.items() if sender == worker]
-                if held or early:
-                    for fork_id in held:
-                        del entry.forks[fork_id]
-                    for fork_id in early:
-                        del entry.deleted_early[fork_id]
+                for fork_id in held:
+                    del entry.forks[fork_id]
+                for fork_id in early:
+                    del entry.deleted_early[fork_id]
+                never_created = not entry.created and rref_id[0] == worker
+                if never_created:
+                    # Others referred to it (a fork request, a fetch) before its remote()
+                    # arrived; now it never will, and whoever fetches it would wait forever.
+                    entry.created = True
+                    unborn.append(entry.value)
+                if held or early or never_created:
                     self._maybe_release(rref_id, entry)
             children = [f for f, (_, child) in self._pending_children.items() if child == worker]
             kept = [self._pending_children.pop(f) for f in children]
-        if kept:
-            log.debug("let go of %d RRef(s) kept for lost worker %d", len(kept), worker)
+        for value in unborn:  # (outside the lock: failing it answers the fetches waiting on it)
+            if not value.done():
+                value.set_exception(PeerLostError(str(worker), (
+                    f"the value of this RRef was never created: its creator, worker {worker}, was lost "
+                    f"before its remote() call arrived ({error})")))
+        if kept or unborn:
+            log.debug("let go of %d RRef(s) kept for lost worker %d, failed %d it never created",
+                      len(kept), worker, len(unborn))
         del kept  # (outside the lock: see child_accepted)
 
     def _accept_child(self, parent: int, fork_id: tuple) -> None:
