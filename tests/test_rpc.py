@@ -299,8 +299,8 @@ def test_errors_for_unknown_workers_and_bad_arguments(group):
 
 
 def _fail_and_let_go(call) -> bool:
-    """Make a failing call with a tensor argument, handle its error, and let go of both;
-    whether the tensor is still alive, with the cyclic garbage collector off: only a
+    """Make a call with a tensor argument, handle its error (ValueError), if it fails, and
+    let go of both; whether the tensor is still alive, with the cyclic garbage collector off: only a
     reference cycle (or a leak) can keep it then."""
     gc.disable()
     try:
@@ -330,6 +330,22 @@ def test_a_failed_call_keeps_nothing_of_it_alive(group, kind):
         future.wait()
 
     assert not _fail_and_let_go(sync if kind == "rpc_sync" else wait_async)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["answered", "failed"])
+def test_a_retried_control_call_keeps_nothing_of_it_alive(group, fails):
+    """``Agent.call_retrying`` (the RRef protocol's messages, context releases): its tries
+    once were closures that called each other, cycles that only the cyclic collector freed,
+    with the call's arguments in them."""
+    from transport import MessageType
+
+    agent = rpc.api._current()
+
+    def retried(x):
+        function = f.raise_value_error if fails else f.echo
+        agent.call_retrying("worker1", function, (x,), MessageType.RREF_USER_DELETE).wait()
+
+    assert not _fail_and_let_go(retried)
 
 
 def test_builtin_operators_with_arguments_they_do_not_take_raise_as_torchs_do(group):

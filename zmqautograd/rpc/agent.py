@@ -7,6 +7,7 @@ futures; the pool runs user functions; the endpoint's I/O thread never runs eith
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import itertools
 import logging
@@ -222,6 +223,45 @@ class _Pending:
     to: WorkerInfo
     timeout: float
     timer: timers.TimerHandle | None = None  # its timeout, cancelled once the call completes
+
+
+class _RetriedCall:
+    """The tries of one ``Agent.call_retrying``. A class, not closures that call each other:
+    those would form reference cycles that only the cyclic collector frees."""
+
+    def __init__(self, agent: "Agent", to: Any, function: Callable, args: Any, message_type: MessageType) -> None:
+        self.agent, self.to, self.function, self.args, self.message_type = agent, to, function, args, message_type
+        self.result: torch.futures.Future = Future()
+        self.timeout = agent.default_timeout if agent.default_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
+
+    def attempt(self, number: int) -> None:
+        try:
+            sent = self.agent.call(self.to, self.function, self.args, None, self.timeout, message_type=self.message_type)
+        except Exception as exc:  # noqa: BLE001
+            self._retry_or_fail(number, exc)
+            return
+        sent.add_done_callback(functools.partial(self._finished, number))
+
+    def _finished(self, number: int, done: torch.futures.Future) -> None:
+        try:
+            value = done.value()
+        except Exception as exc:  # noqa: BLE001
+            self._retry_or_fail(number, exc)
+            return
+        self.result.set_result(value)
+
+    def _retry_or_fail(self, number: int, exc: Exception) -> None:
+        agent, options = self.agent, self.agent.options
+        retryable = isinstance(exc, (InjectedFaultError, RpcTimeoutError)) or (
+            isinstance(exc, TransportError)
+            and not isinstance(exc, (PeerLostError, UnknownPeerError, EndpointClosedError))
+        )
+        if not retryable or number >= options.max_retries or agent._stopping:
+            self.result.set_exception(exc)
+            return
+        delay = options.retry_delay * options.retry_backoff ** number
+        log.debug("%s: retrying %s to %s in %.2f s: %s", agent.info, self.message_type.name, self.to, delay, exc)
+        timers.call_later(delay, self.attempt, number + 1)
 
 
 class Agent:
@@ -478,49 +518,17 @@ class Agent:
         A lost peer or an error raised by the function itself is final."""
         if message_type not in RETRYABLE_TYPES:
             raise ValueError(f"{message_type.name} is not a retryable message type (its receiver may not be idempotent)")
-        result: torch.futures.Future = Future()
-        options = self.options
         with self._lock:  # graceful shutdown waits for these too, between tries included
             self._retrying += 1
+        retrying = _RetriedCall(self, to, function, args, message_type)
+        retrying.result.add_done_callback(self._retried)
+        retrying.attempt(0)
+        return retrying.result
 
-        def settle(_: Any) -> None:
-            with self._lock:
-                self._retrying -= 1
-                self._all_done.notify_all()
-
-        result.add_done_callback(settle)
-        attempt_timeout = self.default_timeout if self.default_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
-
-        def attempt(number: int) -> None:
-            try:
-                sent = self.call(to, function, args, None, attempt_timeout, message_type=message_type)
-            except Exception as exc:  # noqa: BLE001
-                retry_or_fail(number, exc)
-                return
-            sent.add_done_callback(lambda done: finished(number, done))
-
-        def finished(number: int, done: torch.futures.Future) -> None:
-            try:
-                value = done.value()
-            except Exception as exc:  # noqa: BLE001
-                retry_or_fail(number, exc)
-                return
-            result.set_result(value)
-
-        def retry_or_fail(number: int, exc: Exception) -> None:
-            retryable = isinstance(exc, (InjectedFaultError, RpcTimeoutError)) or (
-                isinstance(exc, TransportError)
-                and not isinstance(exc, (PeerLostError, UnknownPeerError, EndpointClosedError))
-            )
-            if not retryable or number >= options.max_retries or self._stopping:
-                result.set_exception(exc)
-                return
-            delay = options.retry_delay * options.retry_backoff ** number
-            log.debug("%s: retrying %s to %s in %.2f s: %s", self.info, message_type.name, to, delay, exc)
-            timers.call_later(delay, attempt, number + 1)
-
-        attempt(0)
-        return result
+    def _retried(self, _: Any) -> None:
+        with self._lock:
+            self._retrying -= 1
+            self._all_done.notify_all()
 
     def notify(self, to: Any, function: Callable, args: Any, message_type: MessageType,
                placement: Placement | None = None) -> None:
