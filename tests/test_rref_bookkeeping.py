@@ -120,7 +120,23 @@ def test_a_value_its_lost_creator_never_created_fails_and_goes(context):
                                             r"\(the connection broke\)") as raised:
         fetched.wait()
     assert raised.value.peer == "5"
+    assert context.begin_making((5, 1)) is None  # its remote() waited in our pool: it need not run
     assert context.owned_count() == 2  # worker 3 holds its forks
     context.delete_fork((5, 1), (3, 1), sender=3)
     context.delete_fork((5, 2), (3, 2), sender=3)
+    assert context.owned_count() == 0
+
+
+def test_a_value_whose_remote_runs_when_its_creator_is_lost_is_kept(context):
+    """The remote() call arrived and runs when its creator is lost: the value it makes is
+    still the value for the forks others hold."""
+    context.add_fork((5, 3), (3, 1), holder=3)
+    value = context.begin_making((5, 3))
+    context.agent.endpoint.lost.add("5")
+    context.peer_lost(5, RuntimeError("killed"))
+    assert not value.done()
+    value.set_result(42)
+    context.set_created((5, 3))
+    assert context.owner_value((5, 3)).wait() == 42
+    context.delete_fork((5, 3), (3, 1), sender=3)
     assert context.owned_count() == 0

@@ -62,6 +62,8 @@ class _OwnerEntry:
     deleted_early: dict = field(default_factory=dict)  # deletes that came before their fork: id -> sender
     local_handles: int = 0
     created: bool = False  # the remote() call (or RRef(value)) has set it up
+    making: bool = False  # the remote() call runs (``begin_making``)
+    orphaned: bool = False  # failed: its creator was lost before its remote() call ran
 
 
 class RRefContext:
@@ -135,6 +137,17 @@ class RRefContext:
         Checked under the lock: ``peer_lost`` runs after the endpoint marks a worker lost, so
         a fork noted before that mark is dropped by it, and one after it is never noted."""
         return worker is not None and worker != self.agent.rank and self.agent.endpoint.is_lost(str(worker))
+
+    def begin_making(self, rref_id: RRefId) -> torch.futures.Future | None:
+        """For the remote() call that makes the value: its future, or None when the value is
+        settled already (its creator was lost before the call ran, and ``peer_lost`` failed
+        it: nothing waits for what the call would make)."""
+        with self._lock:
+            entry = self._entry(rref_id)
+            if entry.orphaned:
+                return None
+            entry.making = True
+            return entry.value
 
     def set_created(self, rref_id: RRefId) -> None:
         """The value is set up. Every fork may be gone by then: a user may delete its RRef
@@ -265,11 +278,11 @@ class RRefContext:
                     del entry.forks[fork_id]
                 for fork_id in early:
                     del entry.deleted_early[fork_id]
-                never_created = not entry.created and rref_id[0] == worker
+                never_created = not entry.created and not entry.making and rref_id[0] == worker
                 if never_created:
                     # Others referred to it (a fork request, a fetch) before its remote()
-                    # arrived; now it never will, and whoever fetches it would wait forever.
-                    entry.created = True
+                    # ran; now it never will, and whoever fetches it would wait forever.
+                    entry.created = entry.orphaned = True
                     unborn.append(entry.value)
                 if held or early or never_created:
                     self._maybe_release(rref_id, entry)
@@ -600,7 +613,9 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
     context, rref_id = _context(), tuple(rref_id)
     if fork_id is not None:  # made by the caller, who holds it: its fork ids carry its rank
         context.add_fork(rref_id, tuple(fork_id), fork_id[0])
-    future = context.owner_value(rref_id)
+    future = context.begin_making(rref_id)
+    if future is None:
+        return  # its creator was lost before this ran: the value has failed already
     try:
         function = resolve_function(function)
         value = function(*args, **kwargs)
