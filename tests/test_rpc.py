@@ -299,9 +299,9 @@ def test_errors_for_unknown_workers_and_bad_arguments(group):
 
 
 def _fail_and_let_go(call) -> bool:
-    """Make a call with a tensor argument, handle its error (ValueError), if it fails, and
-    let go of both; whether the tensor is still alive, with the cyclic garbage collector off: only a
-    reference cycle (or a leak) can keep it then."""
+    """Make a call with a tensor argument, handle its error (ValueError) if it fails, and
+    let go of both; whether the tensor is still alive, with the cyclic garbage collector
+    off: only a reference cycle (or a leak) can keep it then."""
     gc.disable()
     try:
         argument = torch.ones(3)
