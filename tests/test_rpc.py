@@ -300,18 +300,20 @@ def test_errors_for_unknown_workers_and_bad_arguments(group):
 
 def _fail_and_let_go(call) -> bool:
     """Make a call with a tensor argument, handle its error (ValueError) if it fails, and
-    let go of both; whether the tensor is still alive, with the cyclic garbage collector
-    off: only a reference cycle (or a leak) can keep it then."""
+    let go of both; whether the tensor is still alive 5 s later, with the cyclic garbage
+    collector off: only a reference cycle (or a leak) can keep it then. (Not at once: the
+    thread that completed the call may still be finishing the callback that did.)"""
     gc.disable()
     try:
         argument = torch.ones(3)
-        alive = weakref.ref(argument)
+        released = threading.Event()
+        weakref.finalize(argument, released.set)
         try:
             call(argument)
         except ValueError:
             pass
         del argument
-        return alive() is not None
+        return not released.wait(5)
     finally:
         gc.enable()
 
