@@ -134,8 +134,9 @@ class RRefContext:
 
     def _is_lost(self, worker: int | None) -> bool:
         """Whether ``worker`` (a fork's holder, None for one we registered ourselves) is lost.
-        Checked under the lock: ``peer_lost`` runs after the endpoint marks a worker lost, so
-        a fork noted before that mark is dropped by it, and one after it is never noted."""
+        ``add_fork`` and ``delete_fork`` check it under the lock: ``peer_lost`` runs after the
+        endpoint marks a worker lost, so a fork noted before that mark is dropped by it, and
+        one after it is never noted."""
         return worker is not None and worker != self.agent.rank and self.agent.endpoint.is_lost(str(worker))
 
     def begin_making(self, rref_id: RRefId) -> torch.futures.Future | None:
@@ -254,7 +255,7 @@ class RRefContext:
                     entry = self._owned.get(rref_id)
                     if entry is not None and fork_id in entry.forks:
                         entry.forks[fork_id] = to
-        if to != self.agent.rank and self.agent.endpoint.is_lost(str(to)):
+        if self._is_lost(to):
             self.peer_lost(to)  # lost before we noted it: what peer_lost found had no holder yet
 
     def unsent(self, made: list | None) -> None:
