@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -29,6 +30,25 @@ class NeedsTwoArguments(Exception):
 
 def raise_unbuildable():
     raise NeedsTwoArguments(7, "cannot be rebuilt from one message")
+
+
+def exit_with(code):
+    sys.exit(code)
+
+
+def raise_keyboard_interrupt():
+    raise KeyboardInterrupt
+
+
+def parameter_types(value):
+    """(type name, requires_grad) of what arrived: a tensor, or each parameter of a module."""
+    if isinstance(value, torch.nn.Module):
+        return [(type(p).__name__, p.requires_grad) for p in value._parameters.values()]
+    return type(value).__name__, value.requires_grad
+
+
+def parameter_and_double(value):
+    return type(value).__name__, value * 2
 
 
 def sleep_and_return(seconds, value=None):

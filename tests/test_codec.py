@@ -249,6 +249,23 @@ def test_zero_dim_empty_and_requires_grad():
     assert got[2].is_leaf and got[2].grad_fn is None
 
 
+def test_parameters_stay_parameters_and_take_their_tensors_place():
+    """An nn.Parameter arrives as one (torch's pickling keeps them), and the message's tensor
+    list holds that Parameter, the object distributed autograd gives a grad_fn in place."""
+    weight = torch.nn.Parameter(torch.randn(3))
+    frozen = torch.nn.Parameter(torch.arange(4).reshape(2, 2).t(), requires_grad=False)  # a dense permutation
+    sparse = torch.nn.Parameter(torch.eye(2).to_sparse())
+    payload = {"w": weight, "f": frozen, "s": sparse, "t": torch.ones(1, requires_grad=True)}
+    message = CODEC.decode([bytes(memoryview(f)) for f in CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "w0", payload))])
+    got = message.payload
+    for key in ("w", "f", "s"):
+        assert type(got[key]) is torch.nn.Parameter and got[key].is_leaf
+        assert_same_tensor(got[key], payload[key])
+    assert got["f"].stride() == frozen.stride()
+    assert type(got["t"]) is torch.Tensor and got["t"].requires_grad
+    assert [id(t) for t in message.tensors] == [id(got[key]) for key in ("w", "f", "s", "t")]
+
+
 def test_views_send_only_the_bytes_they_cover():
     base = torch.randn(1000, 1000)
     views = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import re
 import gc
 import threading
@@ -249,11 +250,51 @@ def test_remote_exception_keeps_type_names_worker_and_carries_traceback(group):
     message = str(caught.value)
     assert message.startswith("On WorkerInfo(id=2, name=worker2):")
     assert "expected failure" in message and "Remote traceback" in message and "raise_value_error" in message
-    with pytest.raises(rpc.RemoteException, match="NeedsTwoArguments.*cannot be rebuilt"):
+    with pytest.raises(rpc.RemoteException, match="NeedsTwoArguments.*cannot be rebuilt") as caught:
         rpc.rpc_sync("worker1", f.raise_unbuildable)
+    # torch's wording (test_custom_exception_throw_during_reconstruction), and why.
+    assert ("Original exception on remote side was tests.rpc_functions.NeedsTwoArguments, not rebuilt here: its "
+            "constructor does not take a message") in str(caught.value)
     fut = rpc.rpc_async("worker3", f.raise_value_error, args=("async",))
     with pytest.raises(ValueError, match="async"):
         fut.wait()
+
+
+def test_a_function_raising_system_exit_or_keyboard_interrupt_is_answered_and_its_worker_serves_on(group):
+    """torch answers these with a RuntimeError ("SystemExit: 3"). They ended the pool thread
+    that ran the call, which stayed unanswered until its timeout; re-raised as they are on
+    the caller, they would end its thread, or its program."""
+    for _ in range(8):  # twice the pool's threads: none may end
+        with pytest.raises(rpc.RemoteException, match=r"builtins\.SystemExit: 3") as caught:
+            rpc.rpc_sync("worker1", f.exit_with, args=(3,), timeout=10)
+        assert "exit_with" in str(caught.value)  # the remote traceback
+    with pytest.raises(rpc.RemoteException, match=r"builtins\.KeyboardInterrupt"):
+        rpc.rpc_async("worker1", f.raise_keyboard_interrupt, timeout=10).wait()
+    with pytest.raises(rpc.RemoteException, match=r"builtins\.SystemExit: 4"):
+        rpc.remote("worker2", f.exit_with, args=(4,), timeout=10).to_here()
+    calls = [rpc.rpc_async("worker1", f.sleep_and_return, args=(0.2, i), timeout=10) for i in range(4)]
+    assert [call.wait() for call in calls] == [0, 1, 2, 3]
+
+
+def test_parameters_arrive_as_parameters(group):
+    """As torch's pickling keeps them: a parameter server's weights can be assigned to a
+    module's parameters where they arrive (other tensor subclasses arrive as tensors)."""
+    parameter = torch.nn.Parameter(torch.ones(2))
+    assert rpc.rpc_sync("worker1", f.parameter_types, args=(parameter,)) == ("Parameter", True)
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    assert rpc.rpc_sync("worker1", f.parameter_types, args=(frozen,)) == ("Parameter", False)
+    assert rpc.rpc_sync("worker2", f.parameter_types, args=(torch.nn.Linear(2, 2),)) == [("Parameter", True)] * 2
+    returned = rpc.rpc_sync("worker3", f.echo, args=(parameter,))
+    assert type(returned) is torch.nn.Parameter and returned.requires_grad and torch.equal(returned, parameter)
+    module = torch.nn.Linear(2, 2)
+    module.weight = rpc.rpc_sync("worker1", f.echo, args=(torch.nn.Parameter(torch.zeros(2, 2)),))
+    assert torch.equal(module(torch.ones(1, 2)), module.bias.detach().unsqueeze(0))
+    # Recorded by distributed autograd, it arrives as a tensor on the graph: a gradient (here,
+    # of the callee's doubling) reaches the sender's parameter.
+    with dist_autograd.context() as context_id:
+        seen, doubled = rpc.rpc_sync("worker2", f.parameter_and_double, args=(parameter,))
+        dist_autograd.backward(context_id, [doubled.sum()])
+        assert seen == "Tensor" and torch.equal(dist_autograd.get_gradients(context_id)[parameter], torch.full((2,), 2.0))
 
 
 def test_timeouts(group):
@@ -594,8 +635,10 @@ def test_remote_of_async_functions_keeps_what_their_future_completes_with(group)
     assert torch.equal(rpc.remote("worker2", f.AsyncExecutionClass.static_async_add, args=("worker3", x, x, y)).to_here(), 4 * x)
     with pytest.raises(ValueError, match="inside the future"):
         rpc.remote("worker1", f.async_raises, args=("worker3",)).to_here()
-    with pytest.raises(TypeError, match="is marked async_execution but returned int"):
+    # torch's message and type (RuntimeError), still a TypeError too.
+    with pytest.raises(RuntimeError, match=r"must return a torch\.futures\.Future object, but got <class 'int'>") as caught:
         rpc.remote("worker3", f.AsyncExecutionClass().not_a_future).to_here()
+    assert isinstance(caught.value, TypeError)
 
 
 def test_async_methods_through_rref_proxies(group):
@@ -610,7 +653,7 @@ def test_async_methods_through_rref_proxies(group):
         total = total + get(proxy().bound_async_add("worker2", x, x, y))
         assert torch.equal(total, 3 * 4 * x)
         assert get(proxy().plain(21)) == 42  # plain methods as before
-    with pytest.raises(TypeError, match="is marked async_execution but returned int"):
+    with pytest.raises(TypeError, match=r"Functions decorated with @rpc\.async_function must return a torch\.futures\.Future"):
         rref.rpc_sync().not_a_future()
 
 
@@ -622,8 +665,14 @@ def test_remote_and_rref_basics(group):
     assert torch.equal(rref.to_here(), torch.full((2,), 4.0))
     assert rref.owner() == rpc.get_worker_info("worker1") and rref.owner_name() == "worker1"
     assert not rref.is_owner() and rref.confirmed_by_owner()
-    with pytest.raises(RuntimeError, match="Call it on owner"):
+    # torch's message (test_local_value_not_on_owner).
+    with pytest.raises(RuntimeError, match=(
+        r"For UserRRef\(rref_id=GloballyUniqueId\(created_on=0, local_id=\d+\), fork_id=GloballyUniqueId\(created_on=0, "
+        r"local_id=\d+\)\), can't call localValue\(\) on user WorkerInfo\(id=0, name=worker0\)\. "
+        r"Call it on owner WorkerInfo\(id=1, name=worker1\)")):
         rref.local_value()
+    with pytest.raises(RuntimeError, match="Can not pickle rref in python pickler"):  # test_rref_py_pickle_not_supported
+        pickle.dumps(rref)
     local = rpc.RRef(torch.ones(3))
     assert local.is_owner() and local.confirmed_by_owner() and torch.equal(local.local_value(), torch.ones(3))
     assert torch.equal(local.to_here(), torch.ones(3))

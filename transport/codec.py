@@ -189,7 +189,10 @@ EXT_TUPLE = 2
 EXT_SIZE = 3
 EXT_DTYPE = 4
 EXT_DEVICE = 5
+EXT_PARAMETER = 6
 FIRST_USER_EXT = 16
+
+_PARAMETER = torch.nn.Parameter
 
 
 def _decode_dtype(name: Any) -> torch.dtype:
@@ -428,8 +431,8 @@ class _PayloadPacker:
         ext = codec._by_type.get(kind)
         if ext is not None and ext.cache:
             return self.cached(ext, obj)
-        if isinstance(obj, torch.Tensor):
-            return _ext_type(EXT_TENSOR, _packers.plain.pack(self.tensors.add(obj)))
+        if isinstance(obj, torch.Tensor):  # other subclasses arrive as plain tensors
+            return _ext_type(EXT_PARAMETER if kind is _PARAMETER else EXT_TENSOR, _packers.plain.pack(self.tensors.add(obj)))
         if kind is torch.Size:
             return _ext_type(EXT_SIZE, self.pack(list(obj)))
         if kind is torch.dtype:
@@ -486,6 +489,8 @@ class _PayloadUnpacker:
             return self.tensors.dense(spec)
         if code == EXT_TUPLE:
             return tuple(_list(self.unpack(data), "tuple"))
+        if code == EXT_PARAMETER:
+            return self._parameter(self.ext_hook(EXT_TENSOR, data))
         if code == EXT_SIZE:
             dims = _list(self.unpack(data), "torch.Size")
             if not all(type(d) is int and d >= 0 for d in dims):
@@ -511,6 +516,18 @@ class _PayloadUnpacker:
             if self.tensors.taken == taken:  # it holds no tensors of this message: kept
                 _remember(table, key, value)
         return value
+
+
+    def _parameter(self, tensor: torch.Tensor) -> torch.nn.Parameter:
+        """An ``nn.Parameter`` over a received tensor (its memory, its requires_grad), which
+        takes the tensor's place among the message's tensors: what the layers above do with
+        those (distributed autograd gives the ones that require grad a grad_fn, in place)
+        applies to the object the payload holds."""
+        parameter = _PARAMETER(tensor, requires_grad=tensor.requires_grad)
+        collected = self.tensors.collected
+        if collected is not None and collected and collected[-1] is tensor:
+            collected[-1] = parameter
+        return parameter
 
 
 def _list(value: Any, what: str) -> list:

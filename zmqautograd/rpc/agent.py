@@ -33,7 +33,7 @@ from transport.waiter import Waiter
 from . import current
 from .functions import check_async_result, is_async_function
 from .futures import Future
-from .errors import RpcError, RpcTimeoutError, SerializationError, as_operator_error
+from .errors import RpcError, RpcTimeoutError, SerializationError, as_operator_error, user_error
 from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 from .pool import ElasticPool
@@ -757,7 +757,8 @@ class Agent:
                     # Answer when it completes; no thread waits for it meanwhile.
                     result.add_done_callback(lambda done: self._answer_with(message, done, context))
                     return removed
-        except Exception as exc:
+        except BaseException as exc:  # a user's sys.exit() too: answered, never this thread's end
+            exc = user_error(exc)
             if function is not None:
                 exc = as_operator_error(function, exc)
             self._reply(message, None, exc, context)

@@ -38,6 +38,28 @@ class OperatorArgumentsError(RpcError, TypeError):
     TypeError. This is both, so either ``except`` catches it."""
 
 
+class AsyncResultError(RpcError, TypeError):
+    """A function marked ``async_execution`` returned something other than a future. torch
+    raises RuntimeError for it (with the message this one starts with); a TypeError is what
+    Python raises for a value of the wrong type. This is both."""
+
+
+def user_error(error: BaseException) -> Exception:
+    """What a user's function raised, as an exception the RPC layer carries back to the caller
+    (futures take only Exceptions). SystemExit, KeyboardInterrupt and the other exceptions
+    that are not Exceptions become a RemoteException naming them, as torch's RuntimeError
+    ("SystemExit: 3") does: raised on the callee's pool thread they would end that thread and
+    leave the call unanswered, and re-raised as they are on the caller they would end its
+    thread, or its program, for an error in a remote function."""
+    if isinstance(error, Exception):
+        return error
+    kind = type(error)
+    wrapped = RemoteException(f"{kind.__module__}.{kind.__qualname__}: {error}")
+    wrapped.__cause__ = error  # its traceback (the user's frames) goes with it
+    wrapped.__traceback__ = error.__traceback__
+    return wrapped
+
+
 def as_operator_error(function: Callable, exc: Exception) -> Exception:
     """What calling ``function`` raised, as the caller is to get it: a TypeError from a
     builtin operator given arguments it does not take becomes what torch raises for that

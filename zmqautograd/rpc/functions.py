@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import torch
 
+from .errors import AsyncResultError
+
 
 def async_execution(fn: Callable) -> Callable:
     """Mark ``fn`` as returning a ``torch.futures.Future``: the callee sends the reply when that
@@ -29,9 +31,10 @@ def is_async_function(function: Any) -> bool:
 
 
 def check_async_result(function: Any, result: Any) -> None:
-    """A function marked ``async_execution`` must return a future; raise TypeError if not."""
+    """A function marked ``async_execution`` must return a future; raise AsyncResultError (a
+    RuntimeError, as torch's, and a TypeError) with torch's message if not."""
     if not isinstance(result, torch._C.Future):  # .then() returns the C++ base class
-        raise TypeError(
-            f"{getattr(function, '__qualname__', function)} is marked async_execution but returned "
-            f"{type(result).__qualname__}, not a torch.futures.Future"
+        raise AsyncResultError(
+            f"Functions decorated with @rpc.async_function must return a torch.futures.Future object, "
+            f"but got {type(result)} ({getattr(function, '__qualname__', function)} is marked async_execution)"
         )

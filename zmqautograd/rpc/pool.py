@@ -275,7 +275,7 @@ class ElasticPool:
                     self._lock.release()
                     try:
                         function(*args)  # submitted functions handle their own errors...
-                    except Exception:  # ...but a thread must never die of one
+                    except BaseException:  # ...but a thread must never die of one (SystemExit included)
                         log.exception("pool %s: %s failed", self.name, getattr(function, "__qualname__", function))
                     finally:
                         del function, args  # release the call's data before waiting again

@@ -45,7 +45,7 @@ from transport import MessageType
 from transport.errors import PeerLostError
 
 from . import current
-from .errors import as_operator_error
+from .errors import as_operator_error, user_error
 from .functions import check_async_result, is_async_function
 from .futures import Future
 
@@ -468,9 +468,9 @@ class RRef:
 
     def local_value(self) -> Any:
         if not self.is_owner():
-            raise RuntimeError(
-                f"Call it on owner. RRef {self.rref_id} is owned by {self.owner()}, "
-                f"local_value() was called on {self._context.agent.info}"
+            raise RuntimeError(  # torch's message
+                f"For UserRRef(rref_id={_unique_id(self.rref_id)}, fork_id={_unique_id(self.fork_id)}), "
+                f"can't call localValue() on user {self._context.agent.info}. Call it on owner {self.owner()}"
             )
         return self._context.owner_value(self.rref_id).wait()
 
@@ -557,7 +557,9 @@ class RRef:
     __repr__ = __str__
 
     def __reduce__(self):
-        raise RuntimeError("RRefs travel in RPC arguments and results, not through pickle")
+        # torch's message; an RRef goes as an RPC argument or result, where the RPC layer
+        # encodes it (and tells its owner about the fork), never through a plain pickle.
+        raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled when using RPC")
 
     def __del__(self) -> None:
         try:
@@ -627,8 +629,8 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
             value.add_done_callback(lambda done: _settle(future, done))
         elif not future.done():  # a remote() to ourselves that timed out already failed it
             future.set_result(value)
-    except Exception as exc:  # raised to whoever fetches the value, as torch does
-        exc = as_operator_error(function, exc)
+    except BaseException as exc:  # raised to whoever fetches the value, as torch does
+        exc = as_operator_error(function, user_error(exc))
         if not future.done():
             future.set_exception(exc)
     context.set_created(rref_id)

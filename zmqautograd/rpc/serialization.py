@@ -233,11 +233,21 @@ def decode_exception(info: dict, where: str) -> BaseException:
     """The remote exception rebuilt with its own type where that type can be imported and
     built from a message; else a RemoteException. The message names the worker and carries
     the remote traceback."""
-    text = f"On {where}:\n{info['message']}\n\nRemote traceback:\n{info['traceback']}"
+    where_and_what = f"On {where}:\n{info['message']}"
+    remote_traceback = f"\n\nRemote traceback:\n{info['traceback']}"
     try:
         kind = _resolve(info["module"], info["type"])
+    except Exception:  # noqa: BLE001 - unimportable here
+        reason = "its type cannot be imported here"
+    else:
         if isinstance(kind, type) and issubclass(kind, Exception):
-            return kind(text)
-    except Exception:  # unimportable, or its constructor wants other arguments
-        pass
-    return RemoteException(f"{info['module']}.{info['type']}: {text}")
+            try:
+                return kind(where_and_what + remote_traceback)
+            except Exception as exc:  # noqa: BLE001 - its constructor wants other arguments
+                reason = f"its constructor does not take a message ({exc})"
+        else:
+            reason = "it is not an Exception"
+    qualified = f"{info['module']}.{info['type']}"
+    # torch's wording for this case ("Original exception on remote side was"), which tests grep.
+    return RemoteException(f"{qualified}: {where_and_what}\n\nOriginal exception on remote side was {qualified}, "
+                           f"not rebuilt here: {reason}.{remote_traceback}")
