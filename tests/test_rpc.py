@@ -428,11 +428,17 @@ def _lifecycle_worker(rank, init_method, results):
             options = rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=20)
             rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=options)
             results.put((rank, round_number, rpc.rpc_sync(f"w{1 - rank}", f.whoami)))
+            rref = rpc.remote(f"w{1 - rank}", f.whoami)
+            rref.to_here()
             rpc.shutdown()
         try:
             rpc.rpc_sync("w0", f.whoami)
         except RuntimeError as exc:
             results.put((rank, "after", str(exc)))
+        try:  # torch's test_use_rref_after_shutdown
+            rref.to_here()
+        except RuntimeError as exc:
+            results.put((rank, "after rref", str(exc)))
     except BaseException as exc:
         results.put((rank, "error", repr(exc)))
 
@@ -455,10 +461,11 @@ def _run_pair(target, expected_results: int) -> list:
 
 
 def test_shutdown_and_init_again_in_the_same_processes():
-    got = sorted(_run_pair(_lifecycle_worker, 6), key=str)
+    got = sorted(_run_pair(_lifecycle_worker, 8), key=str)
     assert [g for g in got if g[1] == "error"] == []
     assert sorted(g for g in got if g[1] in (0, 1)) == [(0, 0, "w1"), (0, 1, "w1"), (1, 0, "w0"), (1, 1, "w0")]
     assert all("RPC has not been initialized" in g[2] for g in got if g[1] == "after")
+    assert [g[0] for g in got if g[1] == "after rref" and "Cannot call to_here() on it after deletion" in g[2]] == [0, 1]
 
 
 def _join(rank, name, world_size, init_method, timeout, results):

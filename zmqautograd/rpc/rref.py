@@ -45,7 +45,7 @@ from transport import MessageType
 from transport.errors import PeerLostError
 
 from . import current
-from .errors import as_operator_error, user_error
+from .errors import RpcError, as_operator_error, user_error
 from .functions import check_async_result, is_async_function
 from .futures import Future
 
@@ -480,6 +480,8 @@ class RRef:
             return self.local_value()
         self._check_created()
         agent = self._context.agent
+        if agent.closed:  # shutdown() deleted this worker's user RRefs: torch's message
+            raise RpcError(f"Cannot call to_here() on it after deletion. ({self}: RPC was shut down on {agent.info})")
         value = agent.call_sync(self.owner_id, _fetch, (list(self.rref_id),), None, timeout,
                                 message_type=MessageType.PYTHON_RREF_FETCH_CALL)
         # The owner registers a fork before it stores the value, so having the value proves it
