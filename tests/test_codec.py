@@ -273,12 +273,33 @@ def test_views_send_only_the_bytes_they_cover():
         "column slice": base[:, 3:5],  # strided: compacted
         "transpose": base[:4, :6].t(),  # compacted (not dense over its span)
         "step": base[0, ::7],
-        "expanded": torch.ones(3, 1).expand(3, 100),  # zero strides: materialised
     }
     for what, view in views.items():
         got, frames = round_trip(view)
         assert torch.equal(got, view), what
         assert memoryview(frames[1]).nbytes == view.numel() * 4, what
+
+
+def test_expanded_tensors_send_the_memory_they_repeat_once():
+    """Dims of stride 0 (``expand``, the gradient of a ``sum``) stay expanded: the receiver
+    gets the same view over the repeated memory, which travels once."""
+    base = torch.randn(6, 8)
+    cases = {  # tensor -> the bytes that must travel
+        "scalar to a matrix": (torch.ones(()).expand(32, 64), 4),
+        "a column repeated": (torch.arange(3.0).unsqueeze(1).expand(3, 100), 3 * 4),
+        "a strided slice repeated": (base[:, 2:4].unsqueeze(0).expand(5, 6, 2), 6 * 2 * 4),
+        "a transpose repeated": (base.t().unsqueeze(2).expand(8, 6, 3), 6 * 8 * 4),
+        "a sliced expansion": (torch.arange(4.0).expand(3, 4)[:, 1:3], 2 * 4),
+        "requiring grad": (torch.ones(1, requires_grad=True).expand(7), 4),
+    }
+    for what, (tensor, nbytes) in cases.items():
+        got, frames = round_trip(tensor)
+        assert torch.equal(got, tensor.detach()) and got.requires_grad == tensor.requires_grad, what
+        assert [got.stride(d) == 0 for d in range(got.dim()) if got.size(d) > 1] == [
+            tensor.stride(d) == 0 for d in range(tensor.dim()) if tensor.size(d) > 1], what
+        assert memoryview(frames[1]).nbytes == nbytes, what
+    empty, _ = round_trip(torch.ones(1).expand(0, 4))
+    assert empty.shape == (0, 4)
 
 
 def test_dense_permutations_keep_their_strides_without_copy():

@@ -9,8 +9,9 @@ Dense descriptor::
 
 ``strides`` is set when the tensor is a dense permutation of its memory (a transpose, say):
 those bytes go out as they lie, without a copy, and the receiver rebuilds the same strides.
-Any other non-contiguous view is compacted first, so only the bytes the view covers travel,
-never the rest of its storage.
+It is also set for an expanded tensor (dims of stride 0): the memory it repeats goes, once,
+and the receiver rebuilds the same expanded view. Any other non-contiguous view is
+compacted first, so only the bytes the view covers travel, never the rest of its storage.
 
 Sparse COO descriptor::
 
@@ -112,6 +113,18 @@ def _dense_span(tensor: torch.Tensor) -> int | None:
     return expected
 
 
+def _unexpanded(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """An expanded tensor (some dims of stride 0, as ``expand`` makes them, and the gradient
+    of a ``sum``) as the memory it repeats, dense, and the strides that repeat it: the
+    receiver rebuilds the same expanded view over that memory, so ``ones(1).expand(n)``
+    sends one element, not n."""
+    shape, stride = tensor.shape, tensor.stride()
+    repeated = tensor.as_strided([1 if step == 0 else size for size, step in zip(shape, stride)], stride)
+    if _dense_span(repeated) is None:
+        repeated = repeated.detach().contiguous()
+    return repeated, [0 if step == 0 else kept for step, kept in zip(stride, repeated.stride())]
+
+
 class TensorEncoder:
     """Collects the buffers of the tensors of one message, in frame order.
 
@@ -176,10 +189,19 @@ class TensorEncoder:
         if not data.is_contiguous():
             if data.is_cpu and _dense_span(data) is not None:
                 strides = list(data.stride())  # sent as it lies in memory, no copy
+            elif data.is_cpu and 0 in data.stride() and data.numel() > 1:
+                shape = list(data.shape)
+                data, strides = _unexpanded(data)
+                return self._dense_descriptor(data, name, shape, strides, requires_grad)
             else:
                 # Compacts (only the covered bytes are kept); CUDA tensors are compacted on
                 # their device, so the staging copy is one flat device-to-host transfer.
                 data = data.detach().contiguous()
+        return self._dense_descriptor(data, name, list(data.shape), strides, requires_grad)
+
+    def _dense_descriptor(self, data: torch.Tensor, name: str, shape: list, strides: list | None, requires_grad: bool) -> list:
+        """The descriptor of ``data``'s memory, appended to the buffers, viewed at the receiver
+        as ``shape`` (with ``strides``, when set)."""
         nbytes = data.nbytes
         if data.is_cpu:
             device = "cpu"
@@ -191,7 +213,7 @@ class TensorEncoder:
             raise LocalProtocolError(f"cannot send a tensor on device {data.device}")
         index = self._first + len(self.buffers)
         self.buffers.append(buffer)
-        return [DENSE, name, list(data.shape), strides, index, nbytes, device, requires_grad]
+        return [DENSE, name, shape, strides, index, nbytes, device, requires_grad]
 
     def _cuda_target(self, device: torch.device) -> str:
         """Where a CUDA tensor on ``device`` is to land at the receiver."""
