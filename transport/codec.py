@@ -517,7 +517,6 @@ class _PayloadUnpacker:
                 _remember(table, key, value)
         return value
 
-
     def _parameter(self, tensor: torch.Tensor) -> torch.nn.Parameter:
         """An ``nn.Parameter`` over a received tensor (its memory, its requires_grad), which
         takes the tensor's place among the message's tensors: what the layers above do with
