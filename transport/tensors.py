@@ -185,23 +185,17 @@ class TensorEncoder:
             descriptor = cuda_ipc.share(data, name, self._cuda_target(data.device))
             if descriptor is not None:
                 return descriptor
+        shape = list(data.shape)  # the receiver's view; ``data`` becomes the memory that goes
         strides: list[int] | None = None
         if not data.is_contiguous():
             if data.is_cpu and _dense_span(data) is not None:
                 strides = list(data.stride())  # sent as it lies in memory, no copy
             elif data.is_cpu and 0 in data.stride() and data.numel() > 1:
-                shape = list(data.shape)
                 data, strides = _unexpanded(data)
-                return self._dense_descriptor(data, name, shape, strides, requires_grad)
             else:
                 # Compacts (only the covered bytes are kept); CUDA tensors are compacted on
                 # their device, so the staging copy is one flat device-to-host transfer.
                 data = data.detach().contiguous()
-        return self._dense_descriptor(data, name, list(data.shape), strides, requires_grad)
-
-    def _dense_descriptor(self, data: torch.Tensor, name: str, shape: list, strides: list | None, requires_grad: bool) -> list:
-        """The descriptor of ``data``'s memory, appended to the buffers, viewed at the receiver
-        as ``shape`` (with ``strides``, when set)."""
         nbytes = data.nbytes
         if data.is_cpu:
             device = "cpu"
