@@ -54,6 +54,7 @@ aligned for their dtype).
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import platform
@@ -90,6 +91,7 @@ _JOIN_MAX = 1 << 16
 _HEADERS = [struct.Struct(f"<II{count}Q") for count in range(9)]  # message headers by frame count
 _LENGTHS = [struct.Struct(f"<{count}Q") for count in range(9)]  # their frame lengths
 _U32 = struct.Struct("<I")
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; Python 3.10+
 
 _fence_lock = threading.Lock()
 
@@ -105,13 +107,32 @@ def _pad(n: int) -> int:
     return -n & 7
 
 
+def _map(fd: int, size: int) -> mmap.mmap:
+    # MAP_POPULATE: the page-table entries are made now, not by a fault per page on the
+    # message path (the pages themselves exist already: _create_memfd allocates them).
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+
+
 def _create_memfd(name: str, size: int, magic: bytes) -> tuple[mmap.mmap, int]:
     """Zeroed anonymous shared memory (``memfd``: no file to leave behind) with ``magic`` at
-    ``_DATA - 32``; peers map it through ``/proc/<our pid>/fd/<fd>`` (:func:`_map_peer_memfd`)."""
+    ``_DATA - 32``; peers map it through ``/proc/<our pid>/fd/<fd>`` (:func:`_map_peer_memfd`).
+
+    Its pages are allocated now, as TensorPipe's shared-memory segments are (``fallocate``).
+    Left to first touch, every page of a ring faulted on the message path until the ring had
+    wrapped once, in the writer (allocating and zeroing it) and then in the reader: ~5 us a
+    fault on the development VMs, two of each per 8 KiB message, for the first 1 MiB sent
+    to each peer (docs/performance.md). The price: a ring's memory is taken when it is made,
+    not as traffic reaches it (``shm_ring`` bytes per direction and same-host peer)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
-        mapping = mmap.mmap(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise  # no memory for it: the caller goes without a ring
+            # A kernel that cannot: the pages come on first touch, as before.
+        mapping = _map(fd, size)
     except BaseException:
         os.close(fd)
         raise
@@ -127,7 +148,7 @@ def _map_peer_memfd(pid: int, fd: int, size: int, magic: bytes, what: str) -> mm
         info = os.fstat(local)
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             raise ValueError(f"descriptor {fd} of pid {pid} is not {what}")
-        mapping = mmap.mmap(local, size)
+        mapping = _map(local, size)
     finally:
         os.close(local)
     if mapping[_DATA - 32:_DATA - 32 + len(magic)] != magic:
