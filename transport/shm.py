@@ -119,7 +119,7 @@ def _create_memfd(name: str, size: int, magic: bytes) -> tuple[mmap.mmap, int]:
 
     Its pages are allocated now, as TensorPipe's shared-memory segments are (``fallocate``).
     Left to first touch, every page of a ring faulted on the message path until the ring had
-    wrapped once, in the writer (allocating and zeroing it) and then in the reader: ~5 us a
+    wrapped once, in the writer (allocating and zeroing it) and then in the reader: 1-5 us a
     fault on the development VMs, two of each per 8 KiB message, for the first 1 MiB sent
     to each peer (docs/performance.md). The price: a ring's memory is taken when it is made,
     not as traffic reaches it (``shm_ring`` bytes per direction and same-host peer)."""
