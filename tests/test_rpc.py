@@ -468,6 +468,27 @@ def test_shutdown_and_init_again_in_the_same_processes():
     assert [g[0] for g in got if g[1] == "after rref" and "Cannot call to_here() on it after deletion" in g[2]] == [0, 1]
 
 
+def _full_collections_worker(rank, init_method, results):
+    try:
+        if rank == 0:
+            gc.disable()  # the user turned the collector off: init_rpc leaves it alone
+        before = gc.get_stats()[2]["collections"]
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
+                     rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=20))
+        results.put((rank, gc.get_stats()[2]["collections"] - before, gc.isenabled()))
+        rpc.shutdown()
+    except BaseException as exc:
+        results.put((rank, "error", repr(exc)))
+
+
+def test_init_rpc_runs_the_first_full_garbage_collection_unless_the_collector_is_off():
+    """A fresh interpreter's first full collection traverses everything torch's import made
+    (~90 ms on the development VMs); init_rpc runs it, so that it does not stall the first
+    calls of every worker of a pipeline (docs/performance.md)."""
+    got = sorted(_run_pair(_full_collections_worker, 2), key=str)
+    assert got == [(0, 0, False), (1, 1, True)]
+
+
 def _join(rank, name, world_size, init_method, timeout, results):
     try:
         options = rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any, Callable
 
@@ -57,6 +58,7 @@ def init_rpc(
         raise TypeError(f"Argument rank must be of type int and world_size of type int or None, got {rank!r}, {world_size!r}")
     WorkerInfo(name, 0)  # torch's rules for names, checked before anyone waits for us
     options = rpc_backend_options or ZmqRpcBackendOptions()
+    _collect_startup_garbage()
     with _state_lock:
         if _agent is not None:
             raise RpcError("RPC is already initialized")
@@ -64,6 +66,21 @@ def init_rpc(
         rendezvous = Rendezvous(options.init_method, rank, world_size, timeout)
         _agent = Agent(name, rendezvous, options)
     _agent.start_serving()
+
+
+def _collect_startup_garbage() -> None:
+    """One full garbage collection now, while the rendezvous would wait for the others anyway.
+
+    A fresh interpreter that imported torch holds ~10^6 objects that no full collection has
+    seen yet, so its first full collection comes soon after start-up and traverses them all:
+    ~90 ms on the development VMs. Without this it landed in the first ~30-100 calls or
+    passes of each worker; in a 4-stage pipeline each of the four stalled the whole step
+    (steps of ~2 ms with three or four of ~90-190 ms among the first 120; docs/performance.md).
+    After it, a full collection waits until the long-lived objects grow by a quarter
+    (CPython's rule), which a steady training loop does not reach. Skipped where the user
+    turned the collector off."""
+    if gc.isenabled():
+        gc.collect()
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
