@@ -71,9 +71,9 @@ def init_rpc(
 def _collect_startup_garbage() -> None:
     """One full garbage collection now, while the rendezvous would wait for the others anyway.
 
-    A fresh interpreter that imported torch holds ~10^6 objects that no full collection has
-    seen yet, so its first full collection comes soon after start-up and traverses them all:
-    ~90 ms on the development VMs. Without this it landed in the first ~30-100 calls or
+    A fresh interpreter that imported torch tracks ~170,000 objects that no full collection
+    has seen yet, so its first full collection comes soon after start-up and traverses them
+    all: 90-120 ms on the development VM. Without this it landed in the first ~30-100 calls or
     passes of each worker; in a 4-stage pipeline each of the four stalled the whole step
     (steps of ~2 ms with three or four of ~90-190 ms among the first 120; docs/performance.md).
     After it, a full collection waits until the long-lived objects grow by a quarter
