@@ -11,7 +11,9 @@ so while zmqautograd is measured the two fight for the CPUs (on the 2-vCPU devel
 small rpc_sync took 104-106 us there against 57-59 us alone; docs/transport.md, "Busy
 polling"). So a second table measures small calls, 64 calls in flight, a one-hop backward and
 a compute-bound call with each framework alone in its own pair of processes (set to one
-intra-op thread each), the groups alternating round by round:
+intra-op thread each), the groups taking turns sample by sample, each frozen (SIGSTOP) while
+another measures (``Group``: this VM's CPU speed swings over seconds, so groups measured one
+after the other compared different machines):
 TensorPipe, zmqautograd, zmqautograd with the opt-in ``busy_poll``, and the *floor* of a
 pure-Python design (tools/floor.py: raw pyzmq and zmqautograd's codec, one thread a side, no
 RPC layer), whose throughput says how far beyond TensorPipe's such a design can get at all on
@@ -30,13 +32,14 @@ from one server that imported torch and both frameworks first, so they share one
 more processes than CPUs take turns (the pipeline on a 2-vCPU VM), that makes every piece of
 work faster for both frameworks (docs/performance.md, "Address layouts").
 
-    python tools/bench.py [--rounds 9] [--standalone-rounds 3] [--start-method spawn|forkserver]
+    python tools/bench.py [--rounds 9] [--launches 3] [--standalone-rounds 7] [--start-method spawn|forkserver]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -211,28 +214,42 @@ def compute_call(rpc, per_round: int) -> float:
     return (time.perf_counter() - start) / per_round
 
 
-def run_alone(rank: int, framework: str, busy_poll: float, port: int, results) -> None:
+def run_alone(rank: int, conn, done, framework: str, busy_poll: float, where) -> None:
     """One framework alone in two processes, each set to one intra-op thread (as CPU jobs
-    that run a process per worker often are): rank 0 measures and puts its medians on
-    ``results``."""
+    that run a process per worker often are): rank 0 warms up, then measures a sample of
+    every column on each command from ``conn`` (see :class:`Group`)."""
     torch.set_num_threads(1)
     if framework == "floor":
-        _floor_alone(rank, port, results)
+        _floor_alone(rank, conn, where)
         return
     if framework == "shm":
-        _shm_floor_alone(rank, port, results)
+        _shm_floor_alone(rank, conn, where)
         return
-    rpc, autograd = _join_alone(rank, 2, framework, busy_poll, port)
+    rpc, autograd = _join_alone(rank, 2, framework, busy_poll, where)
     if rank == 0:
         small_latency(rpc, 50)  # warm-up
         async_throughput(rpc, 2)
         one_hop_backward(rpc, autograd, 20)
         compute_call(rpc, 5)
-        results.put(tuple(
-            statistics.median(measure() for _ in range(5))
-            for measure in (lambda: small_latency(rpc, 200), lambda: async_throughput(rpc, 10),
-                            lambda: one_hop_backward(rpc, autograd, 50), lambda: compute_call(rpc, 20))
-        ))
+
+        workloads = (  # (warm-up, measure): after a freeze the caches hold the other groups' work
+            (lambda: small_latency(rpc, 20), lambda: small_latency(rpc, 200)),
+            (lambda: async_throughput(rpc, 1), lambda: async_throughput(rpc, 10)),
+            (lambda: one_hop_backward(rpc, autograd, 5), lambda: one_hop_backward(rpc, autograd, 50)),
+            (lambda: compute_call(rpc, 2), lambda: compute_call(rpc, 20)),
+        )
+
+        def sample() -> tuple:
+            values = []
+            for warm_up, measure in workloads:
+                warm_up()
+                values.append(measure())
+            return tuple(values)
+
+        _measure_on_command(conn, sample)
+        done.set()
+    else:
+        done.wait()
     rpc.shutdown()
 
 
@@ -255,41 +272,43 @@ def _join_alone(rank: int, world: int, framework: str, busy_poll: float, port: i
     return rpc, autograd
 
 
-def run_pipeline_alone(rank: int, framework: str, port: int, results) -> None:
-    """The 4-stage pipeline step with one framework alone in its 4 processes: no other
-    framework's threads compete for the CPUs (see the module's docstring)."""
+def run_pipeline_alone(rank: int, conn, done, framework: str, port: int) -> None:
+    """The 4-stage pipeline step with one framework alone in its 4 processes (no other
+    framework's threads compete for the CPUs, see the module's docstring): rank 0 measures
+    20 steps on each command from ``conn``."""
     torch.set_num_threads(1)
     rpc, autograd = _join_alone(rank, WORLD, framework, 0.0, port)
     if rank == 0:
         pipeline_step(rpc, autograd, 20)  # warm-up
-        results.put(statistics.median(pipeline_step(rpc, autograd, 20) for _ in range(5)))
+
+        def sample() -> float:
+            pipeline_step(rpc, autograd, 2)  # after a freeze the caches hold the other group's work
+            return pipeline_step(rpc, autograd, 20)
+
+        _measure_on_command(conn, sample)
+        done.set()
+    else:
+        done.wait()
     rpc.shutdown()
 
 
-def standalone_pipeline(rounds: int) -> float:
+def standalone_pipeline(launches: int, rounds: int) -> float:
     """The pipeline step with each framework alone; prints the table and returns our ratio."""
-    results = _queue()
-    samples: dict[str, list] = {"TensorPipe": [], "zmqautograd": []}
-    stolen: dict[str, list] = {name: [] for name in samples}
-    for _ in range(rounds):
-        for name, framework in (("TensorPipe", "tp"), ("zmqautograd", "zmq")):
-            steal = StealMeter()
-            _start(run_pipeline_alone, (framework, _free_port(), results), WORLD)
-            samples[name].append(results.get())
-            stolen[name].append(steal.share())
-    print(f"\neach framework alone, {WORLD} processes, torch.set_num_threads(1) ({rounds} alternating rounds;"
-          f" started by {START_METHOD})", flush=True)
+    groups = {"TensorPipe": (run_pipeline_alone, ("tp", _free_port), WORLD),
+              "zmqautograd": (run_pipeline_alone, ("zmq", _free_port), WORLD)}
+    samples, stolen = interleaved(groups, launches, rounds)
+    print(f"\neach framework alone, {WORLD} processes, torch.set_num_threads(1) ({launches} launches of"
+          f" {rounds} interleaved rounds of 20 steps; started by {START_METHOD})", flush=True)
     print(f"{'':<34}{'4-stage pipeline step':>24}{'stolen':>9}", flush=True)
     tp = statistics.median(samples["TensorPipe"])
     for name, values in samples.items():
         median = statistics.median(values)
-        shares = [share for share in stolen[name] if share is not None]
-        print(f"{name:<34}{median * 1e6:>11.0f} us {median / tp:>5.2f}x"
-              f"{percent(statistics.median(shares) if shares else None):>9}", flush=True)
+        print(f"{name:<34}{median * 1e6:>11.0f} us {median / tp:>5.2f}x{percent(_median_share(stolen[name])):>9}",
+              flush=True)
     return statistics.median(samples["zmqautograd"]) / tp
 
 
-def _floor_alone(rank: int, port: int, results) -> None:
+def _floor_alone(rank: int, conn, port: int) -> None:
     """run_alone for the floor: rank 1 serves, rank 0 measures its throughput. Not its
     latency: a thread that blocks in libzmq's receive is no floor for that (it took
     600-680 us where zmqautograd's rpc_sync, whose waiting thread receives for itself,
@@ -301,12 +320,12 @@ def _floor_alone(rank: int, port: int, results) -> None:
     try:
         small_latency(client, 50)  # warm-up (the connection too)
         client.throughput(2)
-        results.put((None, statistics.median(client.throughput(10) for _ in range(5)), None, None))
+        _measure_on_command(conn, lambda: (None, client.throughput(10), None, None))
     finally:
         client.close()
 
 
-def _shm_floor_alone(rank: int, name: str, results) -> None:
+def _shm_floor_alone(rank: int, conn, name: str) -> None:
     """run_alone for the shared-memory floor (``name``: its memory, made by ``standalone``):
     rank 1 serves, rank 0 measures small-call latency and throughput."""
     if rank == 1:
@@ -316,33 +335,28 @@ def _shm_floor_alone(rank: int, name: str, results) -> None:
     try:
         small_latency(client, 200)  # warm-up
         client.throughput(2)
-        results.put((statistics.median(small_latency(client, 200) for _ in range(5)),
-                     statistics.median(client.throughput(10) for _ in range(5)), None, None))
+
+        def sample() -> tuple:
+            small_latency(client, 20)
+            return (small_latency(client, 200), client.throughput(10), None, None)
+
+        _measure_on_command(conn, sample)
     finally:
         client.close()
 
 
-def standalone(rounds: int) -> dict[str, float]:
+def standalone(launches: int, rounds: int) -> dict[str, float]:
     """The tables of each framework alone in 2 processes; prints them and returns zmqautograd's
     ratios to TensorPipe by column title."""
-    results = _queue()
-    samples: dict[str, list] = {name: [] for name in STANDALONE}
-    stolen: dict[str, list] = {name: [] for name in STANDALONE}
-    for _ in range(rounds):
-        for name, (framework, busy_poll) in STANDALONE.items():
-            steal = StealMeter()
-            memory = shm_floor.create() if framework == "shm" else None
-            try:
-                where = memory.name if memory is not None else _free_port()
-                _start(run_alone, (framework, busy_poll, where, results), 2)
-            finally:
-                if memory is not None:
-                    memory.close()
-                    memory.unlink()
-            samples[name].append(results.get())
-            stolen[name].append(steal.share())
-    print(f"\neach framework alone, 2 processes, torch.set_num_threads(1) ({rounds} alternating rounds;"
-          " ratios to TensorPipe: times, and calls/s for the rpc_async column)", flush=True)
+    groups = {}
+    for name, (framework, busy_poll) in STANDALONE.items():
+        if framework == "shm":  # its rings' memory, made anew for each launch
+            groups[name] = (run_alone, (framework, busy_poll, shm_floor.create), 2)
+        else:
+            groups[name] = (run_alone, (framework, busy_poll, _free_port), 2)
+    samples, stolen = interleaved(groups, launches, rounds)
+    print(f"\neach framework alone, 2 processes, torch.set_num_threads(1) ({launches} launches of {rounds}"
+          " interleaved rounds; ratios to TensorPipe: times, and calls/s for the rpc_async column)", flush=True)
     print(f"{'':<34}" + "".join(f"{title:>24}" for title, _ in STANDALONE_COLUMNS) + f"{'stolen':>9}", flush=True)
     tp = [statistics.median(v[i] for v in samples["TensorPipe"]) for i in range(len(STANDALONE_COLUMNS))]
     for name, values in samples.items():
@@ -354,11 +368,136 @@ def standalone(rounds: int) -> dict[str, float]:
             median = statistics.median(v[i] for v in values)
             shown = f"{median * 1e6:>11.0f} us" if kind == "time" else f"{median:>8.0f} calls/s"
             cells.append(f"{shown:>17} {median / tp[i]:>5.2f}x")
-        shares = [share for share in stolen[name] if share is not None]
-        median_share = statistics.median(shares) if shares else None
-        print(f"{name:<34}" + "".join(cells) + f"{percent(median_share):>9}", flush=True)
+        print(f"{name:<34}" + "".join(cells) + f"{percent(_median_share(stolen[name])):>9}", flush=True)
     ours = samples["zmqautograd"]
     return {title: statistics.median(v[i] for v in ours) / tp[i] for i, (title, _) in enumerate(STANDALONE_COLUMNS)}
+
+
+def _median_share(shares: list) -> float | None:
+    known = [share for share in shares if share is not None]
+    return statistics.median(known) if known else None
+
+
+# ------------------------------------------------------- interleaving frozen process groups
+
+def _measure_on_command(conn, sample) -> None:
+    """Rank 0 of a :class:`Group`: say it is ready (warmed up), then answer each "sample"
+    command with ``sample()``, until "stop"."""
+    conn.send("ready")
+    while conn.recv() == "sample":
+        conn.send(sample())
+
+
+class Group:
+    """One framework's processes, started once and frozen (SIGSTOP) except while their rank 0
+    measures a sample on command, so that several groups can take turns sample by sample.
+
+    Why: the development VM's CPU speed swings by up to 1.7x over seconds with no time
+    stolen (a plain Python loop: 33,000-61,000 iterations of 1,000 adds a second, minutes
+    apart, nothing else running), so groups launched one after the other, each measuring for
+    ~10 s, compared a fast phase of the machine with a slow one (the pipeline's ratio took
+    0.55x, 1.02x and 1.86x in three runs of the same code within minutes). Taking turns
+    sample by sample puts both frameworks in the same phases. While frozen a group uses no
+    CPU at all, not even the threads that poll or spin (TensorPipe's do all the time), so
+    the one measuring has the machine to itself, as when it runs alone.
+
+    ``function(rank, conn, done, *args)`` runs in every process: rank 0 calls
+    :func:`_measure_on_command` on ``conn`` and sets ``done`` at the end; the other ranks wait
+    for ``done`` before they shut down (a shutdown would wait for rank 0 anyway, but
+    TensorPipe's gives up after a while)."""
+
+    def __init__(self, function, args: tuple, nprocs: int) -> None:
+        context = mp.get_context(START_METHOD)
+        self._conn, child = context.Pipe()
+        self._done = context.Event()
+        self._processes = mp.start_processes(function, args=(child, self._done, *args), nprocs=nprocs,
+                                             start_method=START_METHOD, join=False)
+        child.close()  # (ours; the children hold theirs)
+        self._frozen = False
+
+    def _receive(self):
+        """The next answer of rank 0; where a process failed instead, its exception (with the
+        traceback it left), never a hang."""
+        while True:
+            if self._conn.poll(1.0):
+                try:
+                    return self._conn.recv()
+                except EOFError:  # rank 0 is gone: join says why
+                    self._processes.join(10)
+                    raise RuntimeError("rank 0 of a benchmark group ended without answering") from None
+            if self._processes.join(0):
+                raise RuntimeError("a benchmark group ended without answering")
+
+    def wait_ready(self) -> None:
+        assert self._receive() == "ready"
+        self._signal(signal.SIGSTOP)
+
+    def sample(self):
+        """One sample, measured while every other group is frozen."""
+        self._signal(signal.SIGCONT)
+        try:
+            self._conn.send("sample")
+            return self._receive()
+        finally:
+            self._signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        """Let the processes finish; kill them if they do not within a minute."""
+        self._signal(signal.SIGCONT)
+        try:
+            self._conn.send("stop")
+            self._done.set()
+            deadline = time.monotonic() + 60
+            while not self._processes.join(max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise RuntimeError("benchmark processes did not finish within 60 s")
+        finally:
+            for process in self._processes.processes:
+                if process.is_alive():
+                    process.kill()
+            self._conn.close()
+
+    def _signal(self, number: int) -> None:
+        for process in self._processes.processes:
+            if process.is_alive():
+                os.kill(process.pid, number)
+
+
+def interleaved(groups: dict, launches: int, rounds: int) -> tuple[dict, dict]:
+    """Samples of every group, taking turns (see :class:`Group`). ``groups``: name ->
+    (function, args, nprocs), where an arg that is callable is called anew for each launch
+    (a free port, shared memory). Each launch starts every group afresh (new address
+    layouts) and takes ``rounds`` samples of each, the order reversed every round. Returns
+    the samples and the stolen shares by name."""
+    samples: dict[str, list] = {name: [] for name in groups}
+    stolen: dict[str, list] = {name: [] for name in groups}
+    for _ in range(launches):
+        started: dict[str, Group] = {}
+        memories = []
+        try:
+            for name, (function, args, nprocs) in groups.items():
+                made = [arg() if callable(arg) else arg for arg in args]
+                memories += [arg for arg in made if hasattr(arg, "unlink")]
+                started[name] = Group(function, tuple(arg.name if hasattr(arg, "unlink") else arg for arg in made),
+                                      nprocs)
+            for group in started.values():
+                group.wait_ready()
+            order = list(started)
+            for round_ in range(rounds):
+                for name in order if round_ % 2 == 0 else reversed(order):
+                    steal = StealMeter()
+                    samples[name].append(started[name].sample())
+                    stolen[name].append(steal.share())
+        finally:
+            for group in started.values():
+                try:
+                    group.close()
+                except Exception as exc:  # noqa: BLE001 - the others must still close
+                    print(f"closing a benchmark group: {exc}", file=sys.stderr, flush=True)
+            for memory in memories:
+                memory.close()
+                memory.unlink()
+    return samples, stolen
 
 
 # The performance goals of issues 3 and 4: (table, column or workload, "<=" or ">=", ratio).
@@ -388,7 +527,10 @@ def print_goals(ratios: dict[str, dict[str, float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--standalone-rounds", type=int, default=3, help="0 to skip the tables of each framework alone")
+    parser.add_argument("--launches", type=int, default=3,
+                        help="launches of the process groups of the tables of each framework alone (0: skip them)")
+    parser.add_argument("--standalone-rounds", type=int, default=7,
+                        help="samples of each group per launch, in turns")
     parser.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
                         help="how worker processes start (see above); the goals are for spawn")
     args = parser.parse_args()
@@ -400,9 +542,9 @@ def main() -> None:
     shared = _queue()
     _start(run, (_free_port(), _free_port(), args.rounds, shared), WORLD)
     ratios = {"shared": shared.get()}
-    if args.standalone_rounds:
-        ratios["alone"] = standalone(args.standalone_rounds)
-        ratios["alone"]["4-stage pipeline step"] = standalone_pipeline(args.standalone_rounds)
+    if args.launches:
+        ratios["alone"] = standalone(args.launches, args.standalone_rounds)
+        ratios["alone"]["4-stage pipeline step"] = standalone_pipeline(args.launches, args.standalone_rounds)
     print_goals(ratios)
 
 
