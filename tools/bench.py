@@ -393,7 +393,7 @@ class Group:
     measures a sample on command, so that several groups can take turns sample by sample.
 
     Why: the development VM's CPU speed swings by up to 1.7x over seconds with no time
-    stolen (a plain Python loop: 33,000-61,000 iterations of 1,000 adds a second, minutes
+    stolen (a plain Python loop: 29,000-61,000 iterations of 1,000 adds a second, minutes
     apart, nothing else running), so groups launched one after the other, each measuring for
     ~10 s, compared a fast phase of the machine with a slow one (the pipeline's ratio took
     0.55x, 1.02x and 1.86x in three runs of the same code within minutes). Taking turns
@@ -403,8 +403,8 @@ class Group:
 
     ``function(rank, conn, done, *args)`` runs in every process: rank 0 calls
     :func:`_measure_on_command` on ``conn`` and sets ``done`` at the end; the other ranks wait
-    for ``done`` before they shut down (a shutdown would wait for rank 0 anyway, but
-    TensorPipe's gives up after a while)."""
+    for ``done``, then all shut down together (no shutdown is under way while samples are
+    taken)."""
 
     def __init__(self, function, args: tuple, nprocs: int) -> None:
         context = mp.get_context(START_METHOD)
@@ -413,7 +413,6 @@ class Group:
         self._processes = mp.start_processes(function, args=(child, self._done, *args), nprocs=nprocs,
                                              start_method=START_METHOD, join=False)
         child.close()  # (ours; the children hold theirs)
-        self._frozen = False
 
     def _receive(self):
         """The next answer of rank 0; where a process failed instead, its exception (with the
@@ -429,7 +428,10 @@ class Group:
                 raise RuntimeError("a benchmark group ended without answering")
 
     def wait_ready(self) -> None:
-        assert self._receive() == "ready"
+        """Wait until rank 0 has warmed up, then freeze the group."""
+        answer = self._receive()
+        if answer != "ready":
+            raise RuntimeError(f"a benchmark group said {answer!r} where it should have said it was ready")
         self._signal(signal.SIGSTOP)
 
     def sample(self):
