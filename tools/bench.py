@@ -247,7 +247,6 @@ def run_alone(rank: int, conn, done, framework: str, busy_poll: float, where) ->
             return tuple(values)
 
         _measure_on_command(conn, sample)
-        done.set()
     else:
         done.wait()
     rpc.shutdown()
@@ -286,7 +285,6 @@ def run_pipeline_alone(rank: int, conn, done, framework: str, port: int) -> None
             return pipeline_step(rpc, autograd, 20)
 
         _measure_on_command(conn, sample)
-        done.set()
     else:
         done.wait()
     rpc.shutdown()
@@ -402,9 +400,9 @@ class Group:
     the one measuring has the machine to itself, as when it runs alone.
 
     ``function(rank, conn, done, *args)`` runs in every process: rank 0 calls
-    :func:`_measure_on_command` on ``conn`` and sets ``done`` at the end; the other ranks wait
-    for ``done``, then all shut down together (no shutdown is under way while samples are
-    taken)."""
+    :func:`_measure_on_command` on ``conn``; the other ranks wait for ``done``, which
+    :meth:`close` sets as it tells rank 0 to stop, then all shut down together (no shutdown
+    is under way while samples are taken)."""
 
     def __init__(self, function, args: tuple, nprocs: int) -> None:
         context = mp.get_context(START_METHOD)

@@ -58,10 +58,10 @@ def init_rpc(
         raise TypeError(f"Argument rank must be of type int and world_size of type int or None, got {rank!r}, {world_size!r}")
     WorkerInfo(name, 0)  # torch's rules for names, checked before anyone waits for us
     options = rpc_backend_options or ZmqRpcBackendOptions()
-    _collect_startup_garbage()
     with _state_lock:
         if _agent is not None:
             raise RpcError("RPC is already initialized")
+        _collect_startup_garbage()
         timeout = options.rpc_timeout if options.rpc_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
         rendezvous = Rendezvous(options.init_method, rank, world_size, timeout)
         _agent = Agent(name, rendezvous, options)
