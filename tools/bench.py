@@ -303,6 +303,12 @@ def standalone_pipeline(launches: int, rounds: int) -> float:
         median = statistics.median(values)
         print(f"{name:<34}{median * 1e6:>11.0f} us {median / tp:>5.2f}x{percent(_median_share(stolen[name])):>9}",
               flush=True)
+    # Most of the spread between runs is the launch (each gets new address layouts: the
+    # module's docstring), so each launch's own ratio is shown too.
+    ours, theirs = samples["zmqautograd"], samples["TensorPipe"]
+    per_launch = [statistics.median(ours[i:i + rounds]) / statistics.median(theirs[i:i + rounds])
+                  for i in range(0, len(ours), rounds)]
+    print(f"{'zmqautograd, launch by launch':<34}{' / '.join(f'{r:.2f}x' for r in per_launch):>24}", flush=True)
     return statistics.median(samples["zmqautograd"]) / tp
 
 
