@@ -352,12 +352,9 @@ def _shm_floor_alone(rank: int, conn, name: str) -> None:
 def standalone(launches: int, rounds: int) -> dict[str, float]:
     """The tables of each framework alone in 2 processes; prints them and returns zmqautograd's
     ratios to TensorPipe by column title."""
-    groups = {}
-    for name, (framework, busy_poll) in STANDALONE.items():
-        if framework == "shm":  # its rings' memory, made anew for each launch
-            groups[name] = (run_alone, (framework, busy_poll, shm_floor.create), 2)
-        else:
-            groups[name] = (run_alone, (framework, busy_poll, _free_port), 2)
+    # Where each group meets, made anew for each launch: a port, or the shm floor's memory.
+    groups = {name: (run_alone, (framework, busy_poll, shm_floor.create if framework == "shm" else _free_port), 2)
+              for name, (framework, busy_poll) in STANDALONE.items()}
     samples, stolen = interleaved(groups, launches, rounds)
     print(f"\neach framework alone, 2 processes, torch.set_num_threads(1) ({launches} launches of {rounds}"
           " interleaved rounds; ratios to TensorPipe: times, and calls/s for the rpc_async column)", flush=True)
