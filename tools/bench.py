@@ -24,7 +24,10 @@ framework alone in its own 4 processes.
 
 The last column of each table is the share of the machine's CPU time the hypervisor stole
 while that row was measured (tools/machine.py): on a shared VM, the slow runs are the runs
-with steal.
+with steal. Before and after the tables, a line gives the rate of a plain Python loop: with
+nothing stolen, the development VMs still differed 3-4x in it. It does not catch every slow
+phase: runs minutes apart at the same loop rate gave one hop 0.60x and 0.79x
+(docs/performance.md, "054205e").
 
 Processes start by ``spawn`` (a fresh interpreter each, as torchrun or containers start
 them): each gets its own address layout (ASLR). ``--start-method forkserver`` forks them all
@@ -57,7 +60,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import zmqautograd.autograd as zmq_autograd  # noqa: E402
 import zmqautograd.rpc as zmq_rpc  # noqa: E402
 from tools import floor, shm_floor  # noqa: E402
-from tools.machine import StealMeter, percent  # noqa: E402
+from tools.machine import StealMeter, percent, speed_line  # noqa: E402
 
 WORLD = 4
 WIDTH = 64
@@ -542,12 +545,14 @@ def main() -> None:
     if START_METHOD == "forkserver":
         print("processes started by forkserver: one address layout for all (docs/performance.md)", flush=True)
         mp.set_forkserver_preload(["torch", "torch.distributed.rpc", "zmqautograd.rpc", "zmqautograd.autograd"])
+    print(speed_line("before"), flush=True)
     shared = _queue()
     _start(run, (_free_port(), _free_port(), args.rounds, shared), WORLD)
     ratios = {"shared": shared.get()}
     if args.launches:
         ratios["alone"] = standalone(args.launches, args.standalone_rounds)
         ratios["alone"]["4-stage pipeline step"] = standalone_pipeline(args.launches, args.standalone_rounds)
+    print(speed_line("after"), flush=True)
     print_goals(ratios)
 
 

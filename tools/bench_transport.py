@@ -10,7 +10,7 @@ server, and ``busy_poll`` on both ends, which is compared with a raw pyzmq ping-
 ends also spin (poll without sleeping, yielding the CPU) instead of sleeping in ``recv``.
 
 ``stolen``: the share of the machine's CPU time the hypervisor stole while a row was measured
-(tools/machine.py).
+(tools/machine.py); before and after the table, the rate of a plain Python loop (the same).
 
     python tools/bench_transport.py [--rounds 15] [--small-per-round 300]
 """
@@ -37,7 +37,7 @@ import zmq  # noqa: E402
 from transport import Message, MessageType  # noqa: E402
 from transport.endpoint import Endpoint, EndpointOptions  # noqa: E402
 from transport.tensors import as_buffer  # noqa: E402
-from tools.machine import StealMeter  # noqa: E402
+from tools.machine import StealMeter, speed_line  # noqa: E402
 
 SIZES_MB = (1, 16, 64)
 
@@ -170,6 +170,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per size")
     parser.add_argument("--small-per-round", type=int, default=300)
     args = parser.parse_args()
+    print(speed_line("before"), flush=True)
     clients = {
         "raw": RawClient(),
         "ours": EndpointClient(),
@@ -208,6 +209,7 @@ def main() -> None:
     finally:
         for client in clients.values():
             client.close()
+    print(speed_line("after"), flush=True)
 
 
 if __name__ == "__main__":

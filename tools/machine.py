@@ -1,4 +1,5 @@
-"""What the machine did to a benchmark: CPU time the hypervisor stole from this VM.
+"""What the machine did to a benchmark: CPU time the hypervisor stole from this VM, and how
+fast it ran Python.
 
 On a shared VM the hypervisor runs other guests on "our" CPUs; Linux counts that time as
 *steal* (the 8th field of /proc/stat's ``cpu`` line). On the development VM the slow runs
@@ -6,6 +7,11 @@ were the runs with steal: a 2-process ``rpc_sync`` loop took 630-760 us in runs 
 0.15 s stolen, and 2.2-2.3 ms in runs with 2.9-4.2 s stolen (docs/performance.md, "Earlier
 sessions"). So the benchmarks print the share of the machine's CPU time stolen while they
 measured: read a figure next to its steal.
+
+Nothing was stolen on the later VMs, and yet their speed differed 3-4x from one to the next
+and changed within a session (docs/performance.md): the benchmarks also print the rate of a
+plain Python loop before and after they measure, the yardstick the notes compare VMs by (it
+does not catch every slow phase).
 """
 
 from __future__ import annotations
@@ -45,3 +51,22 @@ class StealMeter:
 def percent(share: float | None) -> str:
     """A stolen share as the benchmarks print it."""
     return "n/a" if share is None else f"{share * 100:.1f}%"
+
+
+def python_loop_rate(seconds: float = 1.0) -> int:
+    """How many times a second this process runs a loop of 1,000 integer additions (the
+    development VMs did 11,000-61,000)."""
+    clock = time.perf_counter
+    start = clock()
+    loops = 0
+    while clock() - start < seconds:
+        total = 0
+        for i in range(1000):
+            total += i
+        loops += 1
+    return int(loops / (clock() - start))
+
+
+def speed_line(when: str) -> str:
+    """The machine's Python speed ``when`` (a word: "before", "after"), as the benchmarks print it."""
+    return f"machine {when}: a Python loop of 1,000 additions {python_loop_rate():,} times a second"
