@@ -26,8 +26,8 @@ The last column of each table is the share of the machine's CPU time the hypervi
 while that row was measured (tools/machine.py): on a shared VM, the slow runs are the runs
 with steal. Before and after the tables, a line gives the rate of a plain Python loop: with
 nothing stolen, the development VMs still differed 3-4x in it. It does not catch every slow
-phase: runs minutes apart at the same loop rate gave one hop 0.60x and 0.79x
-(docs/performance.md, "054205e").
+phase: runs minutes apart at similar loop rates gave one hop 0.60x and 0.79x
+(docs/performance.md, "054205e..03aaa82").
 
 Processes start by ``spawn`` (a fresh interpreter each, as torchrun or containers start
 them): each gets its own address layout (ASLR). ``--start-method forkserver`` forks them all
