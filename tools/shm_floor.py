@@ -32,10 +32,17 @@ _U64 = struct.Struct("<Q")
 _yield = os.sched_yield
 
 
+def _padded(size: int) -> int:
+    return (size + 7) & ~7
+
+
 class Ring:
     """One direction: a single writer appends length-prefixed records, a single reader takes
     them. Positions only grow; x86 keeps stores in order, so a reader that sees the new tail
-    sees the record written before it (this is a measurement on x86, not portable code)."""
+    sees the record written before it (this is a measurement on x86, not portable code).
+    Records take a multiple of 8 bytes, so a record never starts in the last 4 bytes of the
+    ring, where its length (or the wrap mark) would not fit: unaligned, a wrap mark written
+    there ran past the ring into the next one's head and corrupted it."""
 
     def __init__(self, buffer: memoryview, offset: int):
         self._buffer = buffer
@@ -49,7 +56,7 @@ class Ring:
             raw = bytes(frame)
             parts += (_U32.pack(len(raw)), raw)
         record = b"".join(parts)
-        size = 4 + len(record)
+        size = _padded(4 + len(record))
         if size > _RING_BYTES // 2:
             raise ValueError("record too large for the ring")
         buffer = self._buffer
@@ -63,7 +70,7 @@ class Ring:
         else:
             self._wait_room(tail, size)
         _U32.pack_into(buffer, self._data + at, len(record))
-        buffer[self._data + at + 4:self._data + at + size] = record
+        buffer[self._data + at + 4:self._data + at + 4 + len(record)] = record
         _U64.pack_into(buffer, self._tail, tail + size)  # last: publishes the record
 
     def _wait_room(self, tail: int, size: int) -> None:
@@ -82,7 +89,7 @@ class Ring:
             at = 0
             length = _U32.unpack_from(buffer, self._data)[0]
         record = bytes(buffer[self._data + at + 4:self._data + at + 4 + length])
-        _U64.pack_into(buffer, self._head, head + 4 + length)
+        _U64.pack_into(buffer, self._head, head + _padded(4 + length))
         count = _U32.unpack_from(record, 0)[0]
         frames, position = [], 4
         for _ in range(count):
