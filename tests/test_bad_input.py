@@ -107,3 +107,36 @@ def test_malformed_context_releases_riding_on_a_call_do_not_fail_it(group):
             assert isinstance(answered[message_id], kind)
         assert torch.equal(answered[22], torch.full((2,), 2.0))
         assert torch.equal(rpc.rpc_sync("worker1", torch.mul, args=(torch.ones(3), 2)), torch.full((3,), 2.0))
+
+
+def test_hostile_global_references_are_refused_with_clear_errors(group):
+    """Classes and functions passed as values travel as [module, qualname] (serialization.py,
+    EXT_GLOBAL). One that is malformed, unimportable, or reaches through a dunder attribute
+    (an object's internals) fails its call with an error that says which; the worker serves on."""
+    from zmqautograd.rpc.serialization import EXT_GLOBAL, RpcCodec, encode_function
+
+    codec = RpcCodec()
+    references = {
+        31: ([1, 2], "malformed global reference"),
+        32: (["no_such_module_zq", "f"], "cannot import no_such_module_zq.f"),
+        33: (["os", "system.__globals__"], "through a special attribute: os.system.__globals__"),
+        34: (["torch.optim", "SGD"], None),  # well-formed: the call runs
+    }
+    with _intruder("intruder3", codec) as raw:
+        for message_id, (reference, _) in references.items():
+            value = msgpack.ExtType(EXT_GLOBAL, msgpack.packb(reference))
+            payload = {"f": encode_function(bf.type_name), "a": [value], "k": {}}
+            raw.send_multipart(codec.encode(Message(MessageType.PYTHON_CALL, message_id, "intruder3", payload)))
+        answered = {}
+        while len(answered) < len(references) and raw.poll(10_000):
+            answer = codec.decode(raw.recv_multipart())
+            if answer.type in (MessageType.PROTOCOL_ERROR, MessageType.EXCEPTION, MessageType.PYTHON_RET):
+                answered[answer.id] = (answer.type, answer.payload)
+    assert set(answered) == set(references)
+    for message_id, (_, error) in references.items():
+        kind, payload = answered[message_id]
+        if error is None:
+            assert kind is MessageType.PYTHON_RET and payload["v"] == "torch.optim.sgd.SGD"
+        else:
+            assert kind is MessageType.PROTOCOL_ERROR and error in str(payload), payload
+    assert torch.equal(rpc.rpc_sync("worker1", torch.mul, args=(torch.ones(3), 2)), torch.full((3,), 2.0))

@@ -11,38 +11,19 @@ import sys
 
 import pytest
 
+from tests.netns import SUBNET, Unavailable, bridged_hosts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOSTS = 3
-SUBNET = "198.18.0"  # RFC 2544 benchmarking range: only ever our own namespaces
-
-
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
 
 
 @pytest.fixture
 def hosts():
-    tag = f"zq{os.getpid() % 100000}"
-    switch, names = f"{tag}sw", [f"{tag}h{i}" for i in range(HOSTS)]
     try:
-        sh("ip", "netns", "add", switch)
-    except (subprocess.CalledProcessError, FileNotFoundError, PermissionError) as exc:
-        pytest.skip(f"network namespaces are not available here: {exc}")
-    try:
-        sh("ip", "-n", switch, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", switch, "link", "set", "br0", "up")
-        for i, name in enumerate(names):
-            sh("ip", "netns", "add", name)
-            sh("ip", "-n", name, "link", "set", "lo", "up")
-            # One end in the host (eth0), the other in the switch, on the bridge.
-            sh("ip", "-n", switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", name)
-            sh("ip", "-n", switch, "link", "set", f"p{i}", "master", "br0", "up")
-            sh("ip", "-n", name, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", "eth0")
-            sh("ip", "-n", name, "link", "set", "eth0", "up")
-        yield names
-    finally:
-        for name in [*names, switch]:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+        with bridged_hosts(HOSTS) as names:
+            yield names
+    except Unavailable as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.mark.timeout(120)

@@ -567,12 +567,15 @@ def _call_uninitialized(results):
 
 
 def test_pickle_can_be_refused():
+    """allow_pickle=False on both: objects msgpack cannot carry are refused with a clear error;
+    functions and classes, called or passed, go by reference and arrive as themselves."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     process = ctx.Process(target=_no_pickle_group, args=(f"tcp://127.0.0.1:{free_port()}", results))
     process.start()
-    message = results.get(timeout=90)
+    by_reference, message = results.get(timeout=90)
     process.join(30)
+    assert by_reference == "same objects"
     assert "allow_pickle is False" in message and "Point" in message
 
 
@@ -584,10 +587,17 @@ def _no_pickle_group(init_method, results):
         init_method=init_method, allow_pickle=False, rpc_timeout=20))
     try:
         assert rpc.rpc_sync("w1", f.my_function, args=(1, 2, 3)) == 6  # by reference, msgpack args: fine
-        rpc.rpc_sync("w1", f.echo, args=(f.Point(1, 2),))
-        results.put("no error")
-    except RuntimeError as exc:
-        results.put(str(exc))
+        # Classes and functions as values go by reference too, both ways.
+        named = [torch.optim.SGD, f.my_function, torch.add, torch.Tensor.add, len, f.Point]
+        echoed = rpc.rpc_sync("w1", f.echo, args=(named,))
+        by_reference = "same objects" if all(a is b for a, b in zip(echoed, named, strict=True)) else repr(echoed)
+        try:
+            rpc.rpc_sync("w1", f.echo, args=(f.Point(1, 2),))
+            results.put((by_reference, "no error"))
+        except RuntimeError as exc:
+            results.put((by_reference, str(exc)))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((f"failed: {exc!r}", ""))
     finally:
         rpc.shutdown()
         peer.join(30)

@@ -2,9 +2,12 @@
 
 Functions go as references (module + qualified name) whenever the callee can import them;
 arguments and results keep their structure through the transport codec (tuples stay tuples,
-tensors go as tensor frames). Objects msgpack cannot carry are pickled, with their tensors
-taken out of band (they still travel as tensor frames, never inside the pickle); the pickle
-fallback obeys ``allow_pickle``.
+tensors go as tensor frames). Classes and module-level functions among the arguments and
+results go by reference too (``DistributedOptimizer(torch.optim.SGD, ...)``): pickle would
+send nothing more than their names, and a reference needs no pickle, so it also reaches
+workers that refuse pickled payloads. Other objects msgpack cannot carry are pickled, with
+their tensors taken out of band (they still travel as tensor frames, never inside the
+pickle); the pickle fallback obeys ``allow_pickle``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import importlib
 import io
 import pickle
 import sys
+import types
 from typing import Any, Callable
 
 import torch
@@ -24,6 +28,11 @@ from .futures import traceback_text
 
 EXT_PICKLE = 16
 EXT_FUNCTION = 17
+EXT_GLOBAL = 19  # 18 is the agent's RRef
+
+# What may go by reference as a value: objects that pickle itself sends by name.
+_NAMED_KINDS = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
+                types.WrapperDescriptorType, types.ClassMethodDescriptorType)
 
 
 # ------------------------------------------------------------------------- function refs
@@ -147,9 +156,16 @@ class RpcCodec(Codec):
         # Cached both ways (transport/codec.py, Extension.cache): a reference travels with every
         # call, always the same few.
         functions = Extension(EXT_FUNCTION, FunctionRef, lambda f: [f.module, f.qualname], self._load_function, cache=True)
-        super().__init__(extensions=[pickled, functions], fallback=self._fallback, **kwargs)
+        # Reached only through the fallback (its type matches nothing), so never cached: a
+        # name may be rebound, and resolving one is a dict lookup and a getattr.
+        named = Extension(EXT_GLOBAL, _Named, lambda n: n.reference, _load_global)
+        super().__init__(extensions=[pickled, functions, named], fallback=self._fallback, **kwargs)
 
     def _fallback(self, obj: Any) -> tuple[Extension, Any]:
+        if isinstance(obj, _NAMED_KINDS):
+            reference = function_reference(obj)
+            if reference is not None and not _names_a_special_attribute(reference[1]):
+                return self._by_code[EXT_GLOBAL], list(reference)
         if not self.allow_pickle:
             raise SerializationError(
                 f"cannot send an object of type {type(obj).__qualname__} without pickle, and allow_pickle is False"
@@ -174,6 +190,32 @@ class RpcCodec(Codec):
 class _Pickled:
     def __init__(self, value: Any):
         self.value = value
+
+
+class _Named:
+    """Never made: the type of the global-reference extension, which only the fallback uses."""
+
+    reference: list
+
+
+def _names_a_special_attribute(qualname: str) -> bool:
+    """Whether a qualified name goes through a dunder attribute (``f.__globals__``): such a
+    reference could hand out an object's internals, so none is sent or accepted as a value
+    (the rare method like ``Foo.__call__`` goes the pickle way)."""
+    return any(part.startswith("__") and part.endswith("__") for part in qualname.split("."))
+
+
+def _load_global(value: Any) -> Any:
+    """The class or function a received global reference names, imported here if need be."""
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(part, str) for part in value)):
+        raise SerializationError("malformed global reference")
+    module, qualname = value
+    if _names_a_special_attribute(qualname):
+        raise SerializationError(f"refused a global reference through a special attribute: {module}.{qualname}")
+    try:
+        return _resolve(module, qualname)
+    except (ImportError, AttributeError) as exc:
+        raise SerializationError(f"cannot import {module}.{qualname}: {exc}") from exc
 
 
 class FunctionRef:

@@ -1,0 +1,77 @@
+"""docker-compose.yml, run as Compose would run it but without Docker (there is no engine on
+the development and CI machines): each service on its own 'host' (a network namespace on a
+bridge) that finds the others by service name, with the file's own command and environment.
+What this does not cover is the image (the Dockerfile's build)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.netns import Unavailable, bridged_hosts
+
+yaml = pytest.importorskip("yaml")  # a test extra (pyproject.toml); Compose files are YAML
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What a container's environment would not have: the rendezvous variables of a test runner.
+_NOT_INHERITED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def load_services() -> dict[str, dict]:
+    with open(os.path.join(ROOT, "docker-compose.yml")) as file:
+        return yaml.safe_load(file)["services"]  # safe_load resolves the file's merge keys (<<)
+
+
+def service_process(namespace: str, service: dict) -> subprocess.Popen:
+    command = list(service["command"])
+    assert command[0] == "python", command  # the image's interpreter: ours here
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+    env.update({key: str(value) for key, value in service["environment"].items()})
+    env["PYTHONPATH"] = ROOT  # the image has the package installed
+    return subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, *command[1:]], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_compose_file_describes_a_driver_and_its_workers():
+    services = load_services()
+    ranks = sorted(int(s["environment"]["RANK"]) for s in services.values())
+    assert ranks == list(range(len(services)))
+    for name, service in services.items():
+        env = service["environment"]
+        assert int(env["WORLD_SIZE"]) == len(services), name
+        # Rank 0 serves the rendezvous; the others find it by its service name.
+        assert env["MASTER_ADDR"] in services and services[env["MASTER_ADDR"]]["environment"]["RANK"] == "0"
+
+
+@pytest.fixture
+def service_hosts():
+    """A host per service, by service name: {service: its namespace}."""
+    services = load_services()
+    try:
+        with bridged_hosts(len(services), hostnames=list(services)) as namespaces:
+            yield dict(zip(services, namespaces))
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.timeout(240)
+def test_compose_services_train_on_separate_hosts(service_hosts):
+    """All services started at once, in the file's order, as ``docker compose up`` starts
+    them (no ``depends_on``: the workers wait for the driver's store themselves). Each host
+    reaches the others only over the bridge, so the run trains only if every worker
+    advertised an address the others can route to."""
+    services = load_services()
+    processes = {name: service_process(service_hosts[name], service) for name, service in services.items()}
+    try:
+        outputs = {name: process.communicate(timeout=220) for name, process in processes.items()}
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+    for name, process in processes.items():
+        assert process.returncode == 0, f"{name}: {outputs[name][1][-3000:]}"
+    driver = next(name for name, s in services.items() if s["environment"]["RANK"] == "0")
+    assert "held-out loss" in outputs[driver][0], outputs[driver][0][-2000:]
