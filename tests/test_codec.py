@@ -544,7 +544,7 @@ MALFORMED = {
     ),
     "unknown extension": (forge(payload=msgpack.ExtType(99, b"")), "unknown extension type 99"),
     "unknown tensor kind": (forge(payload=tensor_ext(["weird"])), "unknown tensor kind"),
-    "garbage payload": (forge([PROTOCOL_VERSION, 16, 1, "w", b"\xc1\xc1"]), "malformed"),
+    "garbage payload": (forge([PROTOCOL_VERSION, 16, 1, "w", b"\xc1\xc1"]), "cannot decode the PYTHON_CALL payload"),
 }
 
 

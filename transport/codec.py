@@ -347,7 +347,7 @@ class Codec:
             raise
         except Exception as exc:
             raise RemoteProtocolError(
-                f"malformed {envelope.type.name} payload from {envelope.sender!r}: {type(exc).__name__}: {exc}"
+                f"cannot decode the {envelope.type.name} payload from {envelope.sender!r}: {type(exc).__name__}: {exc}"
             ) from None
         return payload
 
