@@ -568,7 +568,8 @@ def _call_uninitialized(results):
 
 def test_pickle_can_be_refused():
     """allow_pickle=False on both: objects msgpack cannot carry are refused with a clear error;
-    functions and classes, called or passed, go by reference and arrive as themselves."""
+    functions, classes and torch's constants, called or passed, go by reference and arrive as
+    themselves."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     process = ctx.Process(target=_no_pickle_group, args=(f"tcp://127.0.0.1:{free_port()}", results))
@@ -588,7 +589,8 @@ def _no_pickle_group(init_method, results):
     try:
         assert rpc.rpc_sync("w1", f.my_function, args=(1, 2, 3)) == 6  # by reference, msgpack args: fine
         # Classes and functions as values go by reference too, both ways.
-        named = [torch.optim.SGD, f.my_function, torch.add, torch.Tensor.add, len, f.Point]
+        named = [torch.optim.SGD, f.my_function, torch.add, torch.Tensor.add, len, f.Point,
+                 torch.strided, torch.channels_last, torch.per_channel_affine]
         echoed = rpc.rpc_sync("w1", f.echo, args=(named,))
         by_reference = "same objects" if all(a is b for a, b in zip(echoed, named, strict=True)) else repr(echoed)
         try:

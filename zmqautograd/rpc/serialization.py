@@ -2,12 +2,13 @@
 
 Functions go as references (module + qualified name) whenever the callee can import them;
 arguments and results keep their structure through the transport codec (tuples stay tuples,
-tensors go as tensor frames). Classes and module-level functions among the arguments and
-results go by reference too (``DistributedOptimizer(torch.optim.SGD, ...)``): pickle would
-send nothing more than their names, and a reference needs no pickle, so it also reaches
-workers that refuse pickled payloads. Other objects msgpack cannot carry are pickled, with
-their tensors taken out of band (they still travel as tensor frames, never inside the
-pickle); the pickle fallback obeys ``allow_pickle``.
+tensors go as tensor frames). Classes, module-level functions and torch's constants
+(``torch.channels_last``) among the arguments and results go by reference too
+(``DistributedOptimizer(torch.optim.SGD, ...)``): pickle would send nothing more than their
+names, and a reference needs no pickle, so it also reaches workers that refuse pickled
+payloads. Other objects msgpack cannot carry are pickled, with their tensors taken out of
+band (they still travel as tensor frames, never inside the pickle); the pickle fallback
+obeys ``allow_pickle``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ EXT_GLOBAL = 19  # 18 is the agent's RRef
 # What may go by reference as a value: objects that pickle itself sends by name.
 _NAMED_KINDS = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodDescriptorType,
                 types.WrapperDescriptorType, types.ClassMethodDescriptorType)
+# torch's constants (torch.strided, torch.channels_last, torch.per_tensor_affine): attributes
+# of ``torch`` named by their str, which pickle sends by name too.
+_TORCH_CONSTANT_KINDS = (torch.layout, torch.memory_format, torch.qscheme)
 
 
 # ------------------------------------------------------------------------- function refs
@@ -162,6 +166,8 @@ class RpcCodec(Codec):
         super().__init__(extensions=[pickled, functions, named], fallback=self._fallback, **kwargs)
 
     def _fallback(self, obj: Any) -> tuple[Extension, Any]:
+        if type(obj) in _TORCH_CONSTANT_KINDS:
+            return self._by_code[EXT_GLOBAL], ["torch", str(obj).removeprefix("torch.")]
         if isinstance(obj, _NAMED_KINDS):
             reference = function_reference(obj)
             if reference is not None and not _names_a_special_attribute(reference[1]):
