@@ -54,6 +54,15 @@ def _resolve(module: str, qualname: str) -> Any:
     return obj
 
 
+def _import_named(module: str, qualname: str, what: str) -> Any:
+    """``_resolve``, with a failure to import raised as the SerializationError that says
+    ``cannot import <what><module>.<qualname>``."""
+    try:
+        return _resolve(module, qualname)
+    except (ImportError, AttributeError) as exc:
+        raise SerializationError(f"cannot import {what}{module}.{qualname}: {exc}") from exc
+
+
 # function -> its reference, for functions called before: finding a reference tries several
 # candidate names (~5 us a call); checking a known one is one lookup. Bounded: only
 # module-level objects get here, and a program has a limited number of those.
@@ -218,10 +227,7 @@ def _load_global(value: Any) -> Any:
     module, qualname = value
     if _names_a_special_attribute(qualname):
         raise SerializationError(f"refused a global reference through a special attribute: {module}.{qualname}")
-    try:
-        return _resolve(module, qualname)
-    except (ImportError, AttributeError) as exc:
-        raise SerializationError(f"cannot import {module}.{qualname}: {exc}") from exc
+    return _import_named(module, qualname, "")
 
 
 class FunctionRef:
@@ -257,10 +263,7 @@ def encode_function(function: Callable) -> Any:
 def resolve_function(function: Any) -> Callable:
     """The callable a request names; raises SerializationError if it cannot be imported here."""
     if isinstance(function, FunctionRef):
-        try:
-            return _resolve(function.module, function.qualname)
-        except (ImportError, AttributeError) as exc:
-            raise SerializationError(f"cannot import function {function.module}.{function.qualname}: {exc}") from exc
+        return _import_named(function.module, function.qualname, "function ")
     return function
 
 
