@@ -33,3 +33,28 @@ def test_shm_floor_ring_wraps_records_of_any_length():
     finally:
         memory.close()
         memory.unlink()
+
+
+@pytest.mark.timeout(60)
+def test_wake_round_trip_measures_and_leaves_nothing_behind():
+    """The benchmarks' wake-up yardstick (tools/machine.py): a positive time for a round trip
+    through a forked process, which is reaped, with every pipe closed."""
+    import os
+
+    from tools import machine
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    def children() -> set:  # of every thread of this process, zombies included
+        found = set()
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as listing:
+                found.update(listing.read().split())
+        return found
+
+    open_before, children_before = sorted(os.listdir("/proc/self/fd")), children()
+    seconds = machine.wake_round_trip(50)
+    assert seconds is not None and 0 < seconds < 0.5
+    assert sorted(os.listdir("/proc/self/fd")) == open_before
+    assert children() == children_before  # the child was waited for: no zombie left
+    assert "blocking wake-up round trip" in machine.speed_line("now")

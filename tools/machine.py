@@ -1,5 +1,5 @@
 """What the machine did to a benchmark: CPU time the hypervisor stole from this VM, and how
-fast it ran Python.
+fast it ran Python and woke sleeping processes.
 
 On a shared VM the hypervisor runs other guests on "our" CPUs; Linux counts that time as
 *steal* (the 8th field of /proc/stat's ``cpu`` line). On the development VM the slow runs
@@ -11,7 +11,9 @@ measured: read a figure next to its steal.
 Nothing was stolen on the later VMs, and yet their speed differed 3-4x from one to the next
 and changed within a session (docs/performance.md): the benchmarks also print the rate of a
 plain Python loop before and after they measure, the yardstick the notes compare VMs by (it
-does not catch every slow phase).
+does not catch every slow phase), and the time a blocking wake-up round trip between two
+processes takes (``wake_round_trip``): where the hypervisor makes waking a sleeping CPU dear,
+frameworks whose threads block to wait pay it on every message.
 """
 
 from __future__ import annotations
@@ -67,6 +69,42 @@ def python_loop_rate(seconds: float = 1.0) -> int:
     return int(loops / (clock() - start))
 
 
+def wake_round_trip(rounds: int = 1000) -> float | None:
+    """Seconds a byte takes to go from this process to a forked one and back through two
+    pipes, each side blocked in ``read`` until it comes: two wake-ups of a sleeping thread
+    (None where there is no ``fork``). What it costs is up to the hypervisor: with nothing
+    else to run, a CPU whose threads all sleep halts, and waking it again goes through the
+    host. On the nested guest of docs/performance.md ("fdb2db7.."), 110-150 us, against
+    13-18 us while other processes kept both CPUs busy, and 1 us for the same ping-pong
+    through spinning on shared memory. Threads that block to wait (TensorPipe's) pay it on
+    every message; zmqautograd's waiting threads spin first (``spin``)."""
+    if not hasattr(os, "fork"):
+        return None
+    to_child, from_parent = os.pipe()
+    to_parent, from_child = os.pipe()
+    child = os.fork()
+    if child == 0:  # only system calls here: safe in a fork of a threaded process
+        try:
+            for _ in range(rounds):
+                os.read(to_child, 1)
+                os.write(from_child, b"w")
+        finally:
+            os._exit(0)
+    try:
+        start = time.perf_counter()
+        for _ in range(rounds):
+            os.write(from_parent, b"w")
+            os.read(to_parent, 1)
+        return (time.perf_counter() - start) / rounds
+    finally:
+        os.waitpid(child, 0)
+        for fd in (to_child, from_parent, to_parent, from_child):
+            os.close(fd)
+
+
 def speed_line(when: str) -> str:
-    """The machine's Python speed ``when`` (a word: "before", "after"), as the benchmarks print it."""
-    return f"machine {when}: a Python loop of 1,000 additions {python_loop_rate():,} times a second"
+    """The machine's Python speed and the cost of waking a sleeping process ``when`` (a word:
+    "before", "after"), as the benchmarks print them."""
+    wake = wake_round_trip()
+    woken = "" if wake is None else f"; a blocking wake-up round trip {wake * 1e6:,.0f} us"
+    return f"machine {when}: a Python loop of 1,000 additions {python_loop_rate():,} times a second{woken}"
