@@ -74,7 +74,7 @@ def wake_round_trip(rounds: int = 1000) -> float | None:
     pipes, each side blocked in ``read`` until it comes: two wake-ups of a sleeping thread
     (None where there is no ``fork``). What it costs is up to the hypervisor: with nothing
     else to run, a CPU whose threads all sleep halts, and waking it again goes through the
-    host. On the nested guest of docs/performance.md ("fdb2db7.."), 110-150 us, against
+    host. On the nested guest of docs/performance.md ("fdb2db7.."), 80-160 us, against
     13-18 us while other processes kept both CPUs busy, and 1 us for the same ping-pong
     through spinning on shared memory. Threads that block to wait (TensorPipe's) pay it on
     every message; zmqautograd's waiting threads spin first (``spin``)."""
@@ -105,6 +105,9 @@ def wake_round_trip(rounds: int = 1000) -> float | None:
 def speed_line(when: str) -> str:
     """The machine's Python speed and the cost of waking a sleeping process ``when`` (a word:
     "before", "after"), as the benchmarks print them."""
+    # The loop first: its second lets processes a benchmark just ended finish exiting, whose
+    # work would keep the CPUs awake and the wake-up cheap (17 us once, against 80-160 idle).
+    rate = python_loop_rate()
     wake = wake_round_trip()
     woken = "" if wake is None else f"; a blocking wake-up round trip {wake * 1e6:,.0f} us"
-    return f"machine {when}: a Python loop of 1,000 additions {python_loop_rate():,} times a second{woken}"
+    return f"machine {when}: a Python loop of 1,000 additions {rate:,} times a second{woken}"
