@@ -45,6 +45,7 @@ def test_wake_round_trip_measures_and_leaves_nothing_behind():
 
     if not hasattr(os, "fork"):
         pytest.skip("no fork here")
+
     def children() -> set:  # of every thread of this process, zombies included
         found = set()
         for task in os.listdir("/proc/self/task"):

@@ -25,10 +25,10 @@ framework alone in its own 4 processes.
 The last column of each table is the share of the machine's CPU time the hypervisor stole
 while that row was measured (tools/machine.py): on a shared VM, the slow runs are the runs
 with steal. Before and after the tables, a line gives the rate of a plain Python loop (with
-nothing stolen, the development VMs still differed 3-4x in it) and the time of a blocking
-wake-up round trip between two processes (what TensorPipe's blocking threads pay per message). It does not catch every slow
-phase: runs minutes apart at similar loop rates gave one hop 0.60x and 0.79x
-(docs/performance.md, "054205e..03aaa82").
+nothing stolen, the development VMs still differed 3-4x in it; it does not catch every slow
+phase: runs minutes apart at similar loop rates gave one hop 0.60x and 0.79x,
+docs/performance.md, "054205e..03aaa82") and the time of a blocking wake-up round trip
+between two processes (what TensorPipe's blocking threads can pay per message).
 
 Processes start by ``spawn`` (a fresh interpreter each, as torchrun or containers start
 them): each gets its own address layout (ASLR). ``--start-method forkserver`` forks them all

@@ -10,8 +10,8 @@ server, and ``busy_poll`` on both ends, which is compared with a raw pyzmq ping-
 ends also spin (poll without sleeping, yielding the CPU) instead of sleeping in ``recv``.
 
 ``stolen``: the share of the machine's CPU time the hypervisor stole while a row was measured
-(tools/machine.py); before and after the table, the rate of a plain Python loop and the time of a blocking
-wake-up round trip (the same).
+(tools/machine.py); before and after the table, the rate of a plain Python loop and the
+time of a blocking wake-up round trip (the same).
 
     python tools/bench_transport.py [--rounds 15] [--small-per-round 300]
 """

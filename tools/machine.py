@@ -85,11 +85,16 @@ def wake_round_trip(rounds: int = 1000) -> float | None:
     child = os.fork()
     if child == 0:  # only system calls here: safe in a fork of a threaded process
         try:
+            os.close(from_parent)  # so that the parent's end closing reads as the end
+            os.close(to_parent)
             for _ in range(rounds):
-                os.read(to_child, 1)
+                if not os.read(to_child, 1):
+                    break
                 os.write(from_child, b"w")
         finally:
             os._exit(0)
+    os.close(to_child)
+    os.close(from_child)
     try:
         start = time.perf_counter()
         for _ in range(rounds):
@@ -97,9 +102,9 @@ def wake_round_trip(rounds: int = 1000) -> float | None:
             os.read(to_parent, 1)
         return (time.perf_counter() - start) / rounds
     finally:
+        os.close(from_parent)  # the child, if still reading (we were interrupted), stops
         os.waitpid(child, 0)
-        for fd in (to_child, from_parent, to_parent, from_child):
-            os.close(fd)
+        os.close(to_parent)
 
 
 def speed_line(when: str) -> str:
