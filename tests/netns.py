@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 
 SUBNET = "198.18.0"
@@ -54,3 +55,21 @@ def bridged_hosts(count: int, hostnames: list[str] | None = None) -> Iterator[li
         for name in [*names, switch]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+
+
+def start_in(namespace: str, args: list[str], env: dict[str, str], cwd: str) -> subprocess.Popen:
+    """This Python running ``args`` on host ``namespace``, its output captured as text."""
+    return subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def outputs_of(processes: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr) once it ended, waiting ``timeout`` seconds for each in
+    turn; whatever still runs when this returns or raises (a timeout) is killed, so no
+    process outlives its test (deleting a namespace does not end its processes)."""
+    try:
+        return [process.communicate(timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()

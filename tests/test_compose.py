@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-from tests.netns import Unavailable, bridged_hosts
+from tests.netns import Unavailable, bridged_hosts, outputs_of, start_in
 
 yaml = pytest.importorskip("yaml")  # a test extra (pyproject.toml); Compose files are YAML
 
@@ -31,8 +30,7 @@ def service_process(namespace: str, service: dict) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
     env.update({key: str(value) for key, value in service["environment"].items()})
     env["PYTHONPATH"] = ROOT  # the image has the package installed
-    return subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, *command[1:]], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_in(namespace, command[1:], env, ROOT)
 
 
 def test_compose_file_describes_a_driver_and_its_workers():
@@ -48,11 +46,12 @@ def test_compose_file_describes_a_driver_and_its_workers():
 
 @pytest.fixture
 def service_hosts():
-    """A host per service, by service name: {service: its namespace}."""
+    """The file's services and a host for each: ({service: its description}, {service: its
+    namespace})."""
     services = load_services()
     try:
         with bridged_hosts(len(services), hostnames=list(services)) as namespaces:
-            yield dict(zip(services, namespaces))
+            yield services, dict(zip(services, namespaces))
     except Unavailable as exc:
         pytest.skip(str(exc))
 
@@ -63,14 +62,9 @@ def test_compose_services_train_on_separate_hosts(service_hosts):
     them (no ``depends_on``: the workers wait for the driver's store themselves). Each host
     reaches the others only over the bridge, so the run trains only if every worker
     advertised an address the others can route to."""
-    services = load_services()
-    processes = {name: service_process(service_hosts[name], service) for name, service in services.items()}
-    try:
-        outputs = {name: process.communicate(timeout=220) for name, process in processes.items()}
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
+    services, hosts = service_hosts
+    processes = {name: service_process(hosts[name], service) for name, service in services.items()}
+    outputs = dict(zip(processes, outputs_of(list(processes.values()), timeout=220)))
     for name, process in processes.items():
         assert process.returncode == 0, f"{name}: {outputs[name][1][-3000:]}"
     driver = next(name for name, s in services.items() if s["environment"]["RANK"] == "0")

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.netns import SUBNET, Unavailable, bridged_hosts
+from tests.netns import SUBNET, Unavailable, bridged_hosts, outputs_of, start_in
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOSTS = 3
@@ -35,16 +33,10 @@ def test_workers_on_separate_hosts_advertise_routable_addresses(hosts, secret):
     master = f"{SUBNET}.1:29500"
     env = {**os.environ, "PYTHONPATH": ROOT}
     extra = [secret] if secret else []
-    processes = [
-        subprocess.Popen(
-            ["ip", "netns", "exec", name, sys.executable, "-m", "tests.netns_worker", str(rank), str(HOSTS), master, *extra],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for rank, name in enumerate(hosts)
-    ]
+    processes = [start_in(name, ["-m", "tests.netns_worker", str(rank), str(HOSTS), master, *extra], env, ROOT)
+                 for rank, name in enumerate(hosts)]
     outputs = []
-    for process in processes:
-        out, err = process.communicate(timeout=100)
+    for process, (out, err) in zip(processes, outputs_of(processes, timeout=100)):
         assert process.returncode == 0, err[-3000:]
         outputs.append(json.loads(out.strip().splitlines()[-1]))
     for result in outputs:
