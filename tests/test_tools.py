@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 
-from tools import shm_floor
+from tools import machine, shm_floor
 
 
 @pytest.mark.timeout(60)
@@ -39,10 +40,6 @@ def test_shm_floor_ring_wraps_records_of_any_length():
 def test_wake_round_trip_measures_and_leaves_nothing_behind():
     """The benchmarks' wake-up yardstick (tools/machine.py): a positive time for a round trip
     through a forked process, which is reaped, with every pipe closed."""
-    import os
-
-    from tools import machine
-
     if not hasattr(os, "fork"):
         pytest.skip("no fork here")
 
