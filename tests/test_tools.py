@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tools import machine, shm_floor
+from tools import delivery, machine, shm_floor
 
 
 @pytest.mark.timeout(60)
@@ -56,3 +56,39 @@ def test_wake_round_trip_measures_and_leaves_nothing_behind():
     assert sorted(os.listdir("/proc/self/fd")) == open_before
     assert children() == children_before  # the child was waited for: no zombie left
     assert "blocking wake-up round trip" in machine.speed_line("now")
+
+
+@pytest.mark.timeout(60)
+def test_delivery_delays_count_each_read_from_its_earliest_new_write():
+    """tools/delivery.py's matching: a read takes what was written since the previous read of
+    that ring, and its delay counts from the earliest of it, classified by the reader's state
+    at that write and by the reading thread; reads outside the window, or that find nothing
+    new, count for nothing."""
+    traces = {
+        "0": ([(1_000, "1", True), (5_000, "1", False), (5_200, "1", True), (15_000, "1", False)],
+              [(3_000, "1", "MainThread")]),
+        "1": ([(2_000, "0", True)],
+              [(1_500, "0", "rpc-worker1-0"), (9_000, "0", "zmq-io-1"), (9_500, "0", "zmq-io-1"),
+               (20_000, "0", "rpc-worker1-0")]),
+    }
+    found = delivery.delays(traces, 0, 10_000)
+    assert dict(found) == {
+        ("0", "1", "spinning", "waiting thread"): [0.5],
+        ("0", "1", "asleep", "I/O thread"): [4.0],  # from 5,000, not 5,200
+        ("1", "0", "spinning", "waiting thread"): [1.0],
+    }
+    printed = delivery.table(found, 2, 100.0)
+    assert "worker0 -> worker1" in printed and "in all: 3 us a step waiting for delivery (3% of a step)" in printed
+
+
+@pytest.mark.timeout(180)
+def test_delivery_traces_a_one_hop_step():
+    """tools/delivery.py on real processes: it still finds the endpoint's ring functions it
+    wraps, and every step's four messages are read (two each way)."""
+    steps = 30
+    step_us, found = delivery.measure(pipeline=False, steps=steps, warmup=10)
+    assert step_us > 0
+    for sender, receiver in (("0", "1"), ("1", "0")):
+        reads = [delay for key, delays in found.items() if key[:2] == (sender, receiver) for delay in delays]
+        assert len(reads) >= steps, (sender, receiver, len(reads))
+        assert all(delay >= 0 for delay in reads)
