@@ -84,7 +84,8 @@ def test_delivery_delays_count_each_read_from_its_earliest_new_write():
 @pytest.mark.timeout(180)
 def test_delivery_traces_a_one_hop_step():
     """tools/delivery.py on real processes: it still finds the endpoint's ring functions it
-    wraps, and every step's four messages are read (two each way)."""
+    wraps, and the messages of every step are read, both ways (two each way a step: some
+    reads may take two at once)."""
     steps = 30
     step_us, found = delivery.measure(pipeline=False, steps=steps, warmup=10)
     assert step_us > 0

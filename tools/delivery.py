@@ -13,7 +13,7 @@ before it; its delay counts from the earliest of those writes. The table gives, 
 reader state and reading thread, the number of reads, the median and 90th percentile delay,
 and below it the delay per step in all. On the nested guest of docs/performance.md
 ("22e8ca1.."), a spinning reader took its message after a median 8-30 us, a sleeping one
-after 100-250 us, and a 4-stage pipeline step spent ~1.2 ms of its 6-10 ms waiting for
+after 115-280 us, and a 4-stage pipeline step spent ~1.2 ms of its 6-10 ms waiting for
 delivery, a one-hop step 60 us of 1.5 ms.
 
 Peers on one host only (the rings; the default there). It wraps the endpoint's private ring
@@ -35,7 +35,6 @@ import warnings
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore")  # torch's numpy and c10d chatter
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -115,6 +114,7 @@ def table(found: dict[tuple, list[float]], steps: int, step_us: float) -> str:
 
 
 def _run(rank: int, world: int, port: int, steps: int, warmup: int, results) -> None:
+    warnings.filterwarnings("ignore")  # torch's numpy and c10d chatter (tools/bench.py's import)
     torch.set_num_threads(1)
     _install()
     import zmqautograd.autograd as autograd
