@@ -37,6 +37,47 @@ def test_shm_floor_ring_wraps_records_of_any_length():
 
 
 @pytest.mark.timeout(60)
+def test_shm_floor_ring_refuses_a_record_no_writer_writes():
+    """A published record of 0 bytes (seen once in a bench run's warm-up) ends the floor's
+    read with an error that says where and whether the length ever came, not a bare
+    struct.error from deep in the decoding."""
+    memory = shm_floor.create()
+    try:
+        requests, answers = shm_floor._rings(memory)
+        shm_floor._U64.pack_into(memory.buf, 64, 8)  # the requests ring's tail: 8 bytes of zeros published
+        with pytest.raises(RuntimeError, match=r"record of 0 bytes at ring offset 0 \(head 0, tail 8\); still so 1 s later"):
+            requests.get()
+        del requests, answers
+    finally:
+        memory.close()
+        memory.unlink()
+
+
+def _group_measuring_a_constant(rank: int, conn, done) -> None:
+    from tools.bench import _measure_on_command
+    _measure_on_command(conn, lambda: 1.5)
+
+
+def _group_failing_in_warm_up(rank: int, conn, done) -> None:
+    raise RuntimeError("warm-up failed on purpose")
+
+
+@pytest.mark.timeout(180)
+def test_bench_leaves_out_a_reference_group_that_fails():
+    """tools/bench.py's turn-taking: a failing group named optional (the floors) is left out
+    with its error, the others' samples are all there; a failing group that is not optional
+    ends the run with its error."""
+    from tools import bench
+
+    groups = {"measured": (_group_measuring_a_constant, (), 1), "floor": (_group_failing_in_warm_up, (), 1)}
+    samples, stolen = bench.interleaved(groups, launches=1, rounds=3, optional=frozenset({"floor"}))
+    assert samples == {"measured": [1.5, 1.5, 1.5], "floor": []}
+    assert len(stolen["measured"]) == 3 and stolen["floor"] == []
+    with pytest.raises(Exception, match="warm-up failed on purpose"):
+        bench.interleaved(groups, launches=1, rounds=1)
+
+
+@pytest.mark.timeout(60)
 def test_wake_round_trip_measures_and_leaves_nothing_behind():
     """The benchmarks' wake-up yardstick (tools/machine.py): a positive time for a round trip
     through a forked process, which is reaped, with every pipe closed."""

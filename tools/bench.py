@@ -359,12 +359,16 @@ def standalone(launches: int, rounds: int) -> dict[str, float]:
     # Where each group meets, made anew for each launch: a port, or the shm floor's memory.
     groups = {name: (run_alone, (framework, busy_poll, shm_floor.create if framework == "shm" else _free_port), 2)
               for name, (framework, busy_poll) in STANDALONE.items()}
-    samples, stolen = interleaved(groups, launches, rounds)
+    floors = frozenset(name for name, (framework, _) in STANDALONE.items() if framework in ("floor", "shm"))
+    samples, stolen = interleaved(groups, launches, rounds, optional=floors)
     print(f"\neach framework alone, 2 processes, torch.set_num_threads(1) ({launches} launches of {rounds}"
           " interleaved rounds; ratios to TensorPipe: times, and calls/s for the rpc_async column)", flush=True)
     print(f"{'':<34}" + "".join(f"{title:>24}" for title, _ in STANDALONE_COLUMNS) + f"{'stolen':>9}", flush=True)
     tp = [statistics.median(v[i] for v in samples["TensorPipe"]) for i in range(len(STANDALONE_COLUMNS))]
     for name, values in samples.items():
+        if not values:  # a floor that failed in every launch (its errors are on stderr above)
+            print(f"{name:<34}{'failed':>24}", flush=True)
+            continue
         cells = []
         for i, (_, kind) in enumerate(STANDALONE_COLUMNS):
             if values[0][i] is None:  # the floors measure what they can (_floor_alone, _shm_floor_alone)
@@ -470,14 +474,27 @@ class Group:
                 os.kill(process.pid, number)
 
 
-def interleaved(groups: dict, launches: int, rounds: int) -> tuple[dict, dict]:
+def interleaved(groups: dict, launches: int, rounds: int, optional: frozenset = frozenset()) -> tuple[dict, dict]:
     """Samples of every group, taking turns (see :class:`Group`). ``groups``: name ->
     (function, args, nprocs), where an arg that is callable is called anew for each launch
     (a free port, shared memory). Each launch starts every group afresh (new address
     layouts) and takes ``rounds`` samples of each, the order reversed every round. Returns
-    the samples and the stolen shares by name."""
+    the samples and the stolen shares by name. A group named in ``optional`` (a reference
+    row: the floors) that fails is left out of the rest of its launch, with its error on
+    stderr, instead of ending the run."""
     samples: dict[str, list] = {name: [] for name in groups}
     stolen: dict[str, list] = {name: [] for name in groups}
+
+    def drop(name: str, exc: Exception) -> None:
+        if name not in optional:
+            raise exc
+        last = [line for line in str(exc).splitlines() if line.strip()][-1:] or [repr(exc)]
+        print(f"benchmark group {name!r} failed, left out of this launch: {last[0]}", file=sys.stderr, flush=True)
+        try:
+            started.pop(name).close()
+        except Exception:  # noqa: BLE001 - it failed already; close() killed what was left
+            pass
+
     for _ in range(launches):
         started: dict[str, Group] = {}
         memories = []
@@ -487,13 +504,22 @@ def interleaved(groups: dict, launches: int, rounds: int) -> tuple[dict, dict]:
                 memories += [arg for arg in made if hasattr(arg, "unlink")]
                 started[name] = Group(function, tuple(arg.name if hasattr(arg, "unlink") else arg for arg in made),
                                       nprocs)
-            for group in started.values():
-                group.wait_ready()
+            for name, group in list(started.items()):
+                try:
+                    group.wait_ready()
+                except Exception as exc:  # noqa: BLE001 - drop() re-raises unless optional
+                    drop(name, exc)
             order = list(started)
             for round_ in range(rounds):
                 for name in order if round_ % 2 == 0 else reversed(order):
+                    if name not in started:
+                        continue
                     steal = StealMeter()
-                    samples[name].append(started[name].sample())
+                    try:
+                        samples[name].append(started[name].sample())
+                    except Exception as exc:  # noqa: BLE001 - drop() re-raises unless optional
+                        drop(name, exc)
+                        continue
                     stolen[name].append(steal.share())
         finally:
             for group in started.values():
