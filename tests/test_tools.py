@@ -7,7 +7,11 @@ import random
 
 import pytest
 
-from tools import delivery, machine, shm_floor
+import multiprocessing
+
+import torch
+
+from tools import delivery, floor, machine, shm_floor
 
 
 @pytest.mark.timeout(60)
@@ -60,6 +64,46 @@ def _group_measuring_a_constant(rank: int, conn, done) -> None:
 
 def _group_failing_in_warm_up(rank: int, conn, done) -> None:
     raise RuntimeError("warm-up failed on purpose")
+
+
+@pytest.mark.timeout(60)
+def test_one_hop_floor_computes_local_autograds_gradient_and_keeps_no_graph():
+    """tools/floor.py's one-hop floor: its two calls, made here directly, give the gradient
+    local autograd gives for the same computation, and the serving side forgets the graph."""
+    x = torch.randn(3, requires_grad=True)
+    grad = torch.randn(3)
+    (expected,) = torch.autograd.grad([x * 2], [x], [grad])
+    y = floor.hop_forward(7, x.detach().clone())
+    assert not y.requires_grad and torch.equal(y, x.detach() * 2)
+    assert 7 in floor._HOP_GRAPHS
+    assert torch.equal(floor.hop_backward(7, grad), expected)
+    assert floor._HOP_GRAPHS == {}
+
+
+def _serve_shm_floor(name: str) -> None:
+    torch.set_num_threads(1)
+    shm_floor.serve(name)
+
+
+@pytest.mark.timeout(120)
+def test_one_hop_floor_runs_between_two_processes():
+    """The one-hop floor as the bench runs it: a spawned serving side on the shared-memory
+    rings, steps whose gradients it checks, and a clean stop."""
+    memory = shm_floor.create()
+    server = multiprocessing.get_context("spawn").Process(target=_serve_shm_floor, args=(memory.name,))
+    server.start()
+    try:
+        client = shm_floor.Client(memory.name)
+        seconds = client.one_hop(10)
+        assert 0 < seconds < 5
+        client.close()  # tells the serving side to stop, after its answer
+        server.join(30)
+        assert server.exitcode == 0
+    finally:
+        if server.is_alive():
+            server.kill()
+        memory.close()
+        memory.unlink()
 
 
 @pytest.mark.timeout(180)

@@ -335,7 +335,8 @@ def _floor_alone(rank: int, conn, port: int) -> None:
 
 def _shm_floor_alone(rank: int, conn, name: str) -> None:
     """run_alone for the shared-memory floor (``name``: its memory, made by ``standalone``):
-    rank 1 serves, rank 0 measures small-call latency and throughput."""
+    rank 1 serves, rank 0 measures small-call latency, throughput and the one-hop floor of
+    distributed autograd (tools/floor.py, ``one_hop``)."""
     if rank == 1:
         shm_floor.serve(name)
         return
@@ -343,10 +344,14 @@ def _shm_floor_alone(rank: int, conn, name: str) -> None:
     try:
         small_latency(client, 200)  # warm-up
         client.throughput(2)
+        client.one_hop(20)
 
         def sample() -> tuple:
             small_latency(client, 20)
-            return (small_latency(client, 200), client.throughput(10), None, None)
+            latency = small_latency(client, 200)
+            rate = client.throughput(10)
+            client.one_hop(5)
+            return (latency, rate, client.one_hop(50), None)
 
         _measure_on_command(conn, sample)
     finally:

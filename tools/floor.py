@@ -11,6 +11,13 @@ RPC layer's overhead over this floor, and TensorPipe's figures against it, are m
 run. (Not its latency: one thread blocking in libzmq's receive is slower than zmqautograd's
 ``rpc_sync``, whose waiting thread receives for itself; ``tools/bench_transport.py``'s raw
 ping-pong is the floor there.)
+
+It also has the floor of distributed autograd's one hop (``CallingSide.one_hop``, the bench's
+"one hop fwd+bwd" workload): the forward call and the backward step as two such calls, with
+PyTorch's engine run on each side as any design built on it must (the worker keeps the graph
+of the call between the two). No contexts, no send or recv functions, no completion protocol,
+and the caller's gradient goes to its leaf without an engine call: what a pure-Python design
+on this transport and PyTorch's engine pays at least, 4 messages and 2 engine calls a step.
 """
 
 from __future__ import annotations
@@ -25,6 +32,23 @@ from transport import Message, MessageType
 from zmqautograd.rpc.serialization import RpcCodec, encode_function, resolve_function
 
 _STOP = "stop"
+# The serving side's graphs between a hop's forward and its backward, by the caller's key
+# (the serving side is one thread).
+_HOP_GRAPHS: dict = {}
+
+
+def hop_forward(key: int, x: torch.Tensor) -> torch.Tensor:
+    """The forward call of a one-hop floor step: ``x * 2`` recorded, its graph kept."""
+    received = x.requires_grad_()
+    y = torch.mul(received, 2)
+    _HOP_GRAPHS[key] = (received, y)
+    return y.detach()
+
+
+def hop_backward(key: int, grad: torch.Tensor) -> torch.Tensor:
+    """The backward step of a one-hop floor step: the kept graph run by PyTorch's engine."""
+    received, y = _HOP_GRAPHS.pop(key)
+    return torch.autograd.grad([y], [received], [grad])[0]
 
 
 def answer(codec: RpcCodec, frames: list) -> tuple[list, bool]:
@@ -78,6 +102,18 @@ class CallingSide:
     def rpc_sync(self, to: str, function: Any, args: tuple = ()) -> Any:
         self._send(function, args)
         return self._receive()
+
+    def one_hop(self, steps: int) -> float:
+        """Seconds a step of the one-hop floor takes (the module's docstring)."""
+        x = torch.ones(2, requires_grad=True)
+        start = time.perf_counter()
+        for step in range(steps):
+            gradients = {}
+            y = self.rpc_sync("worker1", hop_forward, (step, x.detach())).requires_grad_()
+            (gy,) = torch.autograd.grad([y.sum()], [y])
+            gradients[x] = self.rpc_sync("worker1", hop_backward, (step, gy))
+            assert gradients[x][0] == 2
+        return (time.perf_counter() - start) / steps
 
     def throughput(self, batches: int, in_flight: int = 64) -> float:
         """Calls per second, ``in_flight`` sent before their answers are read (as the RPC
