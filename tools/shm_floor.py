@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 import time
 from multiprocessing import shared_memory
 
@@ -50,6 +51,13 @@ class Ring:
         self._head = offset
         self._tail = offset + 64
         self._data = offset + _HEADER
+        # Reads that found the tail behind the head, which no writer ever stores (positions
+        # only grow): a stale view of the shared page, seen on the nested guest (a bench run
+        # read a tail of 0 at head 429,672 while the writer went on writing, and still 0
+        # 117 us later). The reader waits such a view out, as the runtime's ring does
+        # (transport/shm.py: it takes only bytes below the tail), and counts it here.
+        self.stale_tails = 0
+        self.longest_stale = 0.0  # seconds the longest of them lasted
 
     def put(self, frames: list) -> None:
         parts = [_U32.pack(len(frames))]
@@ -81,8 +89,11 @@ class Ring:
     def get(self) -> list[bytes]:
         buffer = self._buffer
         head = _U64.unpack_from(buffer, self._head)[0]
-        while _U64.unpack_from(buffer, self._tail)[0] == head:
-            _yield()
+        while (tail := _U64.unpack_from(buffer, self._tail)[0]) <= head:
+            if tail < head:
+                self._wait_out_stale_tail(head)
+            else:
+                _yield()
         at = head % _RING_BYTES
         length = _U32.unpack_from(buffer, self._data + at)[0]
         if length == _WRAP:
@@ -101,12 +112,28 @@ class Ring:
             position += 4 + size
         return frames
 
+    def _wait_out_stale_tail(self, head: int) -> None:
+        """The tail reads behind our own head: count it, and wait until it does not."""
+        self.stale_tails += 1
+        start = time.perf_counter()
+        while _U64.unpack_from(self._buffer, self._tail)[0] < head:
+            _yield()
+        self.longest_stale = max(self.longest_stale, time.perf_counter() - start)
+
+    def say_stale(self, side: str) -> None:
+        """Print on stderr how often this ring's reader saw a stale tail, if it did."""
+        if self.stale_tails:
+            print(f"shared-memory floor, {side}: the ring's tail read behind the reader's head {self.stale_tails} "
+                  f"time(s), the longest for {self.longest_stale * 1e6:.0f} us (a stale view of the shared page)",
+                  file=sys.stderr, flush=True)
 
     def _impossible(self, head: int, at: int, length: int) -> None:
         """A published record whose length no writer writes (every record holds at least its
         frame count): raise, saying whether the length showed up later (the writer's stores
-        seen out of order) or never (the ring overwritten). Seen once in ~15 bench runs on the
-        nested guest (a length of 0, 200 calls into a fresh ring), not reproduced since."""
+        seen out of order) or never (the ring overwritten). Seen twice on the nested guest,
+        both times a length of 0; the second time the tail read 0 too, behind the head, so
+        the reader had taken a stale tail for a new record. Such tails are now waited out
+        (``get``), and this is left for a length that is wrong with a tail that is not."""
         start = time.perf_counter()
         later = length
         while time.perf_counter() - start < 1.0 and later == length:
@@ -142,6 +169,7 @@ def serve(name: str) -> None:
         while not stop:
             reply, stop = answer(codec, requests.get())
             answers.put(reply)
+        requests.say_stale("serving side")
     finally:
         del requests, answers  # they hold views of the memory, which must go before close
         memory.close()
@@ -163,5 +191,6 @@ class Client(CallingSide):
 
     def close(self) -> None:
         self._stop()
+        self._answers.say_stale("calling side")
         del self._requests, self._answers
         self._memory.close()
