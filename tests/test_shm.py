@@ -404,3 +404,64 @@ def test_a_peer_whose_doorbell_cannot_be_reached_stays_on_the_socket(monkeypatch
         b.send("a", Message(MessageType.PYTHON_RET, 1, "b", "back"))
         assert a.recv(30).payload == "back"
         assert not a.stats()["b"].shared_memory and not b.stats()["a"].shared_memory
+
+
+
+def _publish_and_watch(pid: int, ring_fd: int, flags_fd: int, capacity: int, seconds: float, result) -> None:
+    """A writer in another process: publish small messages for ``seconds``, watching the
+    reader's head and its spinning flag (which the reader keeps set); put how often the head
+    read behind what it read before, and how often the flag read unset."""
+    writer = shm.Ring.open(pid, ring_fd, capacity)
+    flags = shm.Flags.open(pid, flags_fd)
+    piece = memoryview(bytes(8))
+    head_behind = flag_unset = last = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(200):
+            writer.write(piece)
+            head = writer._load(shm._HEAD)
+            head_behind += head < last
+            last = max(last, head)
+            flag_unset += not flags.spinning()
+    result.put((head_behind, flag_unset))
+    writer.close()
+    flags.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_never_reads_a_position_or_flag_that_went_back():
+    """Each side stores its position (the reader its flags too) while the other polls it
+    from another process: a load must see the old value or the new one, never one that went
+    back. (A store that zeroes the word before it writes it, as ``struct.pack_into`` does,
+    showed this test's reader a tail of 0 ~2,000 times in 1.5 s on the development VM, and
+    made the benchmark's shared-memory floor read a record of 0 bytes.)"""
+    import multiprocessing
+
+    capacity = 1 << 16
+    reader = shm.Ring.create(capacity)
+    flags = shm.Flags.create()
+    flags.set_spinning(True)
+    context = multiprocessing.get_context("spawn")
+    result = context.Queue()
+    writer = context.Process(target=_publish_and_watch,
+                             args=(os.getpid(), reader.fd, flags.fd, capacity, 1.5, result))
+    writer.start()
+    try:
+        tail_behind = last = 0
+        watched = time.monotonic() + 10
+        while writer.is_alive() and time.monotonic() < watched:
+            for _ in range(200):
+                tail = reader._load(shm._TAIL)
+                tail_behind += tail < last
+                last = max(last, tail)
+                reader.read(capacity)  # stores the head the writer polls
+                flags.set_spinning(True)  # stores the value the flag has
+        writer.join(30)
+        head_behind, flag_unset = result.get(timeout=30)
+        assert writer.exitcode == 0 and last > 0
+        assert (tail_behind, head_behind, flag_unset) == (0, 0, 0)
+    finally:
+        if writer.is_alive():
+            writer.kill()
+        reader.close()
+        flags.close()

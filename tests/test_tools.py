@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import random
+import struct
 
 import pytest
 
 import multiprocessing
-import threading
-import time
 
 import torch
 
@@ -50,45 +49,9 @@ def test_shm_floor_ring_refuses_a_record_no_writer_writes():
     memory = shm_floor.create()
     try:
         requests, answers = shm_floor._rings(memory)
-        shm_floor._U64.pack_into(memory.buf, 64, 8)  # the requests ring's tail: 8 bytes of zeros published
+        struct.pack_into("<Q", memory.buf, 64, 8)  # the requests ring's tail: 8 bytes of zeros published
         with pytest.raises(RuntimeError, match=r"record of 0 bytes at ring offset 0 \(head 0, tail 8\); still so 1 s later"):
             requests.get()
-        del requests, answers
-    finally:
-        memory.close()
-        memory.unlink()
-
-
-@pytest.mark.timeout(60)
-def test_shm_floor_ring_waits_out_a_tail_behind_its_head(capsys):
-    """A tail that reads behind the reader's head (a bench run read 0 at head 429,672 while
-    the writer went on) is a stale view, not a record: the reader waits until the tail is
-    right again, then takes the next record, and counts what it saw."""
-    memory = shm_floor.create()
-    try:
-        requests, answers = shm_floor._rings(memory)
-        requests.put([b"first"])
-        assert requests.get() == [b"first"]
-        published = shm_floor._U64.unpack_from(memory.buf, 64)[0]
-        shm_floor._U64.pack_into(memory.buf, 64, 0)  # the stale view: the tail back at 0
-        restored = threading.Event()
-
-        def restore() -> None:
-            # Once the reader found the stale tail (it counts it before it waits): the tail
-            # as the writer left it, then the writer's next record.
-            while requests.stale_tails == 0:
-                time.sleep(0.001)
-            shm_floor._U64.pack_into(memory.buf, 64, published)
-            restored.set()
-            requests.put([b"second"])
-
-        helper = threading.Thread(target=restore)
-        helper.start()
-        assert requests.get() == [b"second"]
-        helper.join()
-        assert restored.is_set() and requests.stale_tails == 1 and requests.longest_stale > 0
-        requests.say_stale("serving side")
-        assert "tail read behind the reader's head 1 time(s)" in capsys.readouterr().err
         del requests, answers
     finally:
         memory.close()

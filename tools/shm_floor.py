@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import struct
-import sys
 import time
 from multiprocessing import shared_memory
 
@@ -30,7 +29,6 @@ _RING_BYTES = 1 << 20  # data bytes of each direction's ring
 _HEADER = 128  # head (read position) at 0, tail (write position) at 64: separate cache lines
 _WRAP = 0xFFFFFFFF  # a record length that says: continue at the start of the ring
 _U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 _yield = os.sched_yield
 
 
@@ -48,16 +46,14 @@ class Ring:
 
     def __init__(self, buffer: memoryview, offset: int):
         self._buffer = buffer
-        self._head = offset
-        self._tail = offset + 64
+        # The head and the tail, each loaded and stored in one 8-byte access (an item of a
+        # "Q" view). ``struct.pack_into`` zeroes the bytes before it writes them: a reader
+        # that loaded the tail in between saw 0, took it for a new record and read a length
+        # of 0 (two bench runs ended so; transport/shm.py has the same fix and its test).
+        self._words = buffer.cast("Q")
+        self._head = offset >> 3
+        self._tail = (offset + 64) >> 3
         self._data = offset + _HEADER
-        # Reads that found the tail behind the head, which no writer ever stores (positions
-        # only grow): a stale view of the shared page, seen on the nested guest (a bench run
-        # read a tail of 0 at head 429,672 while the writer went on writing, and still 0
-        # 117 us later). The reader waits such a view out, as the runtime's ring does
-        # (transport/shm.py: it takes only bytes below the tail), and counts it here.
-        self.stale_tails = 0
-        self.longest_stale = 0.0  # seconds the longest of them lasted
 
     def put(self, frames: list) -> None:
         parts = [_U32.pack(len(frames))]
@@ -69,7 +65,7 @@ class Ring:
         if size > _RING_BYTES // 2:
             raise ValueError("record too large for the ring")
         buffer = self._buffer
-        tail = _U64.unpack_from(buffer, self._tail)[0]
+        tail = self._words[self._tail]
         at = tail % _RING_BYTES
         if at + size > _RING_BYTES:  # no room before the end: mark a wrap, start again at 0
             self._wait_room(tail, _RING_BYTES - at + size)
@@ -80,20 +76,18 @@ class Ring:
             self._wait_room(tail, size)
         _U32.pack_into(buffer, self._data + at, len(record))
         buffer[self._data + at + 4:self._data + at + 4 + len(record)] = record
-        _U64.pack_into(buffer, self._tail, tail + size)  # last: publishes the record
+        self._words[self._tail] = tail + size  # last: publishes the record
 
     def _wait_room(self, tail: int, size: int) -> None:
-        while tail + size - _U64.unpack_from(self._buffer, self._head)[0] > _RING_BYTES:
+        while tail + size - self._words[self._head] > _RING_BYTES:
             _yield()
 
     def get(self) -> list[bytes]:
         buffer = self._buffer
-        head = _U64.unpack_from(buffer, self._head)[0]
-        while (tail := _U64.unpack_from(buffer, self._tail)[0]) <= head:
-            if tail < head:
-                self._wait_out_stale_tail(head)
-            else:
-                _yield()
+        words = self._words
+        head = words[self._head]
+        while words[self._tail] == head:
+            _yield()
         at = head % _RING_BYTES
         length = _U32.unpack_from(buffer, self._data + at)[0]
         if length == _WRAP:
@@ -103,7 +97,7 @@ class Ring:
         if not 4 <= length <= _RING_BYTES // 2:
             self._impossible(head, at, length)
         record = bytes(buffer[self._data + at + 4:self._data + at + 4 + length])
-        _U64.pack_into(buffer, self._head, head + _padded(4 + length))
+        words[self._head] = head + _padded(4 + length)
         count = _U32.unpack_from(record, 0)[0]
         frames, position = [], 4
         for _ in range(count):
@@ -112,33 +106,17 @@ class Ring:
             position += 4 + size
         return frames
 
-    def _wait_out_stale_tail(self, head: int) -> None:
-        """The tail reads behind our own head: count it, and wait until it does not."""
-        self.stale_tails += 1
-        start = time.perf_counter()
-        while _U64.unpack_from(self._buffer, self._tail)[0] < head:
-            _yield()
-        self.longest_stale = max(self.longest_stale, time.perf_counter() - start)
-
-    def say_stale(self, side: str) -> None:
-        """Print on stderr how often this ring's reader saw a stale tail, if it did."""
-        if self.stale_tails:
-            print(f"shared-memory floor, {side}: the ring's tail read behind the reader's head {self.stale_tails} "
-                  f"time(s), the longest for {self.longest_stale * 1e6:.0f} us (a stale view of the shared page)",
-                  file=sys.stderr, flush=True)
 
     def _impossible(self, head: int, at: int, length: int) -> None:
         """A published record whose length no writer writes (every record holds at least its
         frame count): raise, saying whether the length showed up later (the writer's stores
-        seen out of order) or never (the ring overwritten). Seen twice on the nested guest,
-        both times a length of 0; the second time the tail read 0 too, behind the head, so
-        the reader had taken a stale tail for a new record. Such tails are now waited out
-        (``get``), and this is left for a length that is wrong with a tail that is not."""
+        seen out of order) or never (the ring overwritten). Two bench runs read a length of 0
+        before the tail was stored in one access (``__init__``); none since."""
         start = time.perf_counter()
         later = length
         while time.perf_counter() - start < 1.0 and later == length:
             later = _U32.unpack_from(self._buffer, self._data + at)[0]
-        tail = _U64.unpack_from(self._buffer, self._tail)[0]
+        tail = self._words[self._tail]
         raise RuntimeError(
             f"shared-memory floor: record of {length} bytes at ring offset {at} (head {head}, tail {tail}); "
             + (f"{later} bytes {(time.perf_counter() - start) * 1e6:.0f} us later" if later != length
@@ -169,7 +147,6 @@ def serve(name: str) -> None:
         while not stop:
             reply, stop = answer(codec, requests.get())
             answers.put(reply)
-        requests.say_stale("serving side")
     finally:
         del requests, answers  # they hold views of the memory, which must go before close
         memory.close()
@@ -191,6 +168,5 @@ class Client(CallingSide):
 
     def close(self) -> None:
         self._stop()
-        self._answers.say_stale("calling side")
         del self._requests, self._answers
         self._memory.close()

@@ -77,9 +77,8 @@ _HEAD, _TAIL, _WRITER_WAITING = 0, 64, 192
 _DATA = 256  # a ring's data bytes start here (after the header's cache lines)
 _MAGIC = b"zmqautograd-ring\0"  # at _DATA - 32: memory that is not one of our rings is refused
 _FLAGS_MAGIC = b"zmqautograd-flags\0"
-_U64 = struct.Struct("<Q")
-_unpack_u64 = _U64.unpack_from
-_pack_u64 = _U64.pack_into
+# The header's words by index, in a "Q" view of the header (``_Shared._words``).
+_HEAD_WORD, _TAIL_WORD, _WRITER_WAITING_WORD = _HEAD >> 3, _TAIL >> 3, _WRITER_WAITING >> 3
 _BELL_BYTE = b"\0"
 _BELL_PREFIX = "zmqautograd-bell-"
 _ZEROS = bytes(8)
@@ -165,6 +164,13 @@ class _Shared:
         self.fd = fd
         self._map = mapping
         self._buffer = memoryview(mapping)
+        # The shared words (positions and flags), each loaded and stored in one 8-byte
+        # access: an item of a "Q" view is copied with one fixed-size memcpy, one aligned
+        # move on x86-64. Not ``struct.pack_into``: it zeroes the bytes before it writes
+        # them, and a peer that loaded between the two saw a position go back to 0 (the
+        # reader a tail of 0, the writer a head of 0: a full ring where it was empty) or a
+        # flag unset (tests/test_shm.py, "went back").
+        self._words = self._buffer[:_DATA].cast("Q")
 
     def close_descriptor(self) -> None:
         """No peer maps it any more (or none will): the creator's descriptor goes."""
@@ -174,20 +180,21 @@ class _Shared:
 
     def close(self) -> None:
         self.close_descriptor()
+        self._words.release()
         self._buffer.release()
         self._map.close()
 
     def _load(self, offset: int) -> int:
-        return _unpack_u64(self._buffer, offset)[0]
+        return self._words[offset >> 3]
 
     def _store(self, offset: int, value: int) -> None:
-        _pack_u64(self._buffer, offset, value)
+        self._words[offset >> 3] = value
 
-    def _take(self, offset: int) -> bool:
-        """Whether the flag at ``offset`` is set; clears it (only its one reader does)."""
-        buffer = self._buffer
-        if _unpack_u64(buffer, offset)[0]:
-            _pack_u64(buffer, offset, 0)
+    def _take(self, word: int) -> bool:
+        """Whether the flag in word ``word`` is set; clears it (only its one reader does)."""
+        words = self._words
+        if words[word]:
+            words[word] = 0
             return True
         return False
 
@@ -200,7 +207,7 @@ class Flags(_Shared):
       at this one word instead of at every ring (a process may have dozens of peers).
     """
 
-    _SPINNING, _PENDING = 0, 64
+    _SPINNING, _PENDING = 0, 8  # words (byte offsets 0 and 64: cache lines of their own)
     SIZE = 4096
 
     @classmethod
@@ -215,18 +222,18 @@ class Flags(_Shared):
     # (Each a single access to the page: these run on every message and every look.)
 
     def set_spinning(self, spinning: bool) -> None:
-        _pack_u64(self._buffer, 0, int(spinning))
+        self._words[0] = int(spinning)
 
     def spinning(self) -> bool:
         """(A writer's look, after :func:`fence`.)"""
-        return _unpack_u64(self._buffer, 0)[0] != 0
+        return self._words[0] != 0
 
     def mark_pending(self) -> None:
         """(A writer, after it published data.)"""
-        _pack_u64(self._buffer, 64, 1)
+        self._words[8] = 1
 
     def pending(self) -> bool:
-        return _unpack_u64(self._buffer, 64)[0] != 0
+        return self._words[8] != 0
 
     def take_pending(self) -> bool:
         """Whether data was published since the last take; clears the flag. The caller must
@@ -273,7 +280,7 @@ class Ring(_Shared):
         capacity = self.capacity
         tail = self._tail
         length = len(data)
-        size = min(length, capacity - (tail - _unpack_u64(self._buffer, _HEAD)[0]))
+        size = min(length, capacity - (tail - self._words[_HEAD_WORD]))
         if size <= 0:
             return 0
         at = tail % capacity
@@ -282,7 +289,7 @@ class Ring(_Shared):
         if size > first:  # wrapped around
             self._data[:size - first] = data[first:size]
         self._tail = tail = tail + size
-        _pack_u64(self._buffer, _TAIL, tail)  # after the data: publishes it
+        self._words[_TAIL_WORD] = tail  # after the data: publishes it
         return size
 
     def set_writer_waiting(self, waiting: bool) -> None:
@@ -291,13 +298,13 @@ class Ring(_Shared):
     # ------------------------------------------------------------------ the reader's side
 
     def has_data(self) -> bool:
-        return _unpack_u64(self._buffer, _TAIL)[0] != self._head
+        return self._words[_TAIL_WORD] != self._head
 
     def read(self, limit: int) -> bytearray | None:
         """Up to ``limit`` published bytes (writable, so tensors can be decoded in place), or
         None when there are none."""
         head = self._head
-        size = min(_unpack_u64(self._buffer, _TAIL)[0] - head, limit)
+        size = min(self._words[_TAIL_WORD] - head, limit)
         if size <= 0:
             return None
         capacity = self.capacity
@@ -307,12 +314,12 @@ class Ring(_Shared):
         if size > first:
             chunk += self._data[:size - first]
         self._head = head = head + size
-        _pack_u64(self._buffer, _HEAD, head)  # after the copy: the writer may now reuse the bytes
+        self._words[_HEAD_WORD] = head  # after the copy: the writer may now reuse the bytes
         return chunk
 
     def take_writer_waiting(self) -> bool:
         """Whether the writer waits for room (call after :func:`fence`); clears the flag."""
-        return self._take(_WRITER_WAITING)
+        return self._take(_WRITER_WAITING_WORD)
 
 
 def encode(frames: Sequence[Any]) -> list:
