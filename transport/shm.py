@@ -38,6 +38,7 @@ for the flag handshakes ("I stop spinning, then look whether data is pending" ag
 publish data and mark it pending, then look whether the reader spins"; likewise for
 ``writer_waiting``): both sides put :func:`fence`
 between the store and the load, a locked instruction, which x86 orders with everything.
+Each shared word is loaded and stored in a single access (``_Shared._words``).
 
 **Doorbell.** A datagram socket per process in Linux's abstract namespace: writers send a
 byte to wake a sleeping reader; the reader's sleeping threads poll it. Level-triggered:
