@@ -5,6 +5,7 @@ memory."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import queue
 import resource
@@ -406,7 +407,6 @@ def test_a_peer_whose_doorbell_cannot_be_reached_stays_on_the_socket(monkeypatch
         assert not a.stats()["b"].shared_memory and not b.stats()["a"].shared_memory
 
 
-
 def _publish_and_watch(pid: int, ring_fd: int, flags_fd: int, capacity: int, seconds: float, result) -> None:
     """A writer in another process: publish small messages for ``seconds``, watching the
     reader's head and its spinning flag (which the reader keeps set); put how often the head
@@ -435,8 +435,6 @@ def test_a_peer_never_reads_a_position_or_flag_that_went_back():
     back. (A store that zeroes the word before it writes it, as ``struct.pack_into`` does,
     showed this test's reader a tail of 0 ~2,000 times in 1.5 s on the development VM, and
     made the benchmark's shared-memory floor read a record of 0 bytes.)"""
-    import multiprocessing
-
     capacity = 1 << 16
     reader = shm.Ring.create(capacity)
     flags = shm.Flags.create()

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import struct
 
 import pytest
-
-import multiprocessing
-
 import torch
 
 from tools import delivery, floor, machine, shm_floor

@@ -74,12 +74,12 @@ DEFAULT_RING_BYTES = 1 << 20
 DEFAULT_SPIN = 0.002  # seconds (EndpointOptions.spin)
 SUPPORTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
-_HEAD, _TAIL, _WRITER_WAITING = 0, 64, 192
+# The header's words, as indices into a "Q" view of it (``_Shared._words``): byte offsets 0,
+# 64 and 192, each on a cache line of its own.
+_HEAD, _TAIL, _WRITER_WAITING = 0, 8, 24
 _DATA = 256  # a ring's data bytes start here (after the header's cache lines)
 _MAGIC = b"zmqautograd-ring\0"  # at _DATA - 32: memory that is not one of our rings is refused
 _FLAGS_MAGIC = b"zmqautograd-flags\0"
-# The header's words by index, in a "Q" view of the header (``_Shared._words``).
-_HEAD_WORD, _TAIL_WORD, _WRITER_WAITING_WORD = _HEAD >> 3, _TAIL >> 3, _WRITER_WAITING >> 3
 _BELL_BYTE = b"\0"
 _BELL_PREFIX = "zmqautograd-bell-"
 _ZEROS = bytes(8)
@@ -185,11 +185,11 @@ class _Shared:
         self._buffer.release()
         self._map.close()
 
-    def _load(self, offset: int) -> int:
-        return self._words[offset >> 3]
+    def _load(self, word: int) -> int:
+        return self._words[word]
 
-    def _store(self, offset: int, value: int) -> None:
-        self._words[offset >> 3] = value
+    def _store(self, word: int, value: int) -> None:
+        self._words[word] = value
 
     def _take(self, word: int) -> bool:
         """Whether the flag in word ``word`` is set; clears it (only its one reader does)."""
@@ -223,18 +223,18 @@ class Flags(_Shared):
     # (Each a single access to the page: these run on every message and every look.)
 
     def set_spinning(self, spinning: bool) -> None:
-        self._words[0] = int(spinning)
+        self._words[self._SPINNING] = int(spinning)
 
     def spinning(self) -> bool:
         """(A writer's look, after :func:`fence`.)"""
-        return self._words[0] != 0
+        return self._words[self._SPINNING] != 0
 
     def mark_pending(self) -> None:
         """(A writer, after it published data.)"""
-        self._words[8] = 1
+        self._words[self._PENDING] = 1
 
     def pending(self) -> bool:
-        return self._words[8] != 0
+        return self._words[self._PENDING] != 0
 
     def take_pending(self) -> bool:
         """Whether data was published since the last take; clears the flag. The caller must
@@ -281,7 +281,7 @@ class Ring(_Shared):
         capacity = self.capacity
         tail = self._tail
         length = len(data)
-        size = min(length, capacity - (tail - self._words[_HEAD_WORD]))
+        size = min(length, capacity - (tail - self._words[_HEAD]))
         if size <= 0:
             return 0
         at = tail % capacity
@@ -290,7 +290,7 @@ class Ring(_Shared):
         if size > first:  # wrapped around
             self._data[:size - first] = data[first:size]
         self._tail = tail = tail + size
-        self._words[_TAIL_WORD] = tail  # after the data: publishes it
+        self._words[_TAIL] = tail  # after the data: publishes it
         return size
 
     def set_writer_waiting(self, waiting: bool) -> None:
@@ -299,13 +299,13 @@ class Ring(_Shared):
     # ------------------------------------------------------------------ the reader's side
 
     def has_data(self) -> bool:
-        return self._words[_TAIL_WORD] != self._head
+        return self._words[_TAIL] != self._head
 
     def read(self, limit: int) -> bytearray | None:
         """Up to ``limit`` published bytes (writable, so tensors can be decoded in place), or
         None when there are none."""
         head = self._head
-        size = min(self._words[_TAIL_WORD] - head, limit)
+        size = min(self._words[_TAIL] - head, limit)
         if size <= 0:
             return None
         capacity = self.capacity
@@ -315,12 +315,12 @@ class Ring(_Shared):
         if size > first:
             chunk += self._data[:size - first]
         self._head = head = head + size
-        self._words[_HEAD_WORD] = head  # after the copy: the writer may now reuse the bytes
+        self._words[_HEAD] = head  # after the copy: the writer may now reuse the bytes
         return chunk
 
     def take_writer_waiting(self) -> bool:
         """Whether the writer waits for room (call after :func:`fence`); clears the flag."""
-        return self._take(_WRITER_WAITING_WORD)
+        return self._take(_WRITER_WAITING)
 
 
 def encode(frames: Sequence[Any]) -> list:
