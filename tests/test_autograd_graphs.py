@@ -491,6 +491,46 @@ def test_a_send_function_into_leaves_hands_its_gradients_on_without_the_engine(g
     assert len(engine_calls) == 1
 
 
+def test_a_plan_of_send_functions_alone_is_reused_until_one_is_added():
+    """engine.plan_for: a worker's passes reuse the plan built after its answer left, without
+    listing the send functions again; a send function added since makes it build anew, also
+    one added while the plan was being built."""
+    from zmqautograd.autograd import engine, functions
+    from zmqautograd.autograd.context import DistAutogradContext
+
+    leaf = torch.randn(3, requires_grad=True)
+    ctx = DistAutogradContext(1)
+    ctx.add_send_function(5, *functions.make_send_node([leaf * 2]))
+    plan = engine.plan_for(ctx, None)
+    assert engine.plan_for(ctx, None) is plan
+    ctx.add_send_function(6, *functions.make_send_node([leaf * 3]))
+    grown = engine.plan_for(ctx, None)
+    assert grown is not plan and sorted(grown.root_keys) == [5, 6]
+    assert engine.plan_for(ctx, None) is grown
+    local = [((leaf * 4).sum().grad_fn, 0)]
+    with_local = engine.plan_for(ctx, local)
+    assert with_local is not grown and with_local.root_keys[0] == engine.LOCAL_ROOT
+    assert engine.plan_for(ctx, local) is with_local  # the same local root: the same plan
+    assert engine.plan_for(ctx, None) is not with_local  # the local root's plan is not the workers'
+
+    real_plan = engine.Plan
+
+    def plan_while_a_send_is_added(*args, **kwargs):  # a call recorded while the plan is built
+        built = real_plan(*args, **kwargs)
+        if 7 not in ctx._sends:
+            ctx.add_send_function(7, *functions.make_send_node([leaf * 5]))
+        return built
+
+    ctx.add_send_function(8, *functions.make_send_node([leaf * 6]))  # (so that the next call builds)
+    engine.Plan = plan_while_a_send_is_added
+    try:
+        stale = engine.plan_for(ctx, None)
+    finally:
+        engine.Plan = real_plan
+    assert 7 not in stale.root_keys
+    assert 7 in engine.plan_for(ctx, None).root_keys
+
+
 def test_a_send_functions_gradient_the_engine_would_convert_goes_through_the_engine():
     from zmqautograd.autograd import engine, functions
 

@@ -47,6 +47,7 @@ class DistAutogradContext:
         # The backward pass in progress on this worker, and the cached plan (engine.py).
         self.current_pass: Any = None
         self.plan_cache: Any = None
+        self.sends_version = 0  # counts send functions added (plan_for's cache of plans without a local root)
         self.part_cache: dict = {}  # root key -> what it reaches (engine._Part)
 
     # The seeds' accessors (used by tests and tools).
@@ -88,6 +89,7 @@ class DistAutogradContext:
             self._sends[message_id] = node
             if keep_alive is not None:
                 self._keep_alive.append(keep_alive)
+            self.sends_version += 1
             self.plan_cache = None
 
     def recorded_send(self, message_id: int) -> Any:
