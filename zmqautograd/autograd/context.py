@@ -92,6 +92,11 @@ class DistAutogradContext:
             self.sends_version += 1
             self.plan_cache = None
 
+    def sends_unchanged_since(self, version: int) -> bool:
+        """Whether no send function was added since ``sends_version`` read ``version``, and
+        none is due (``expect_send``): what was built from them then is current."""
+        return version == self.sends_version and not self._expected  # (reads of an int and a set: atomic)
+
     def recorded_send(self, message_id: int) -> Any:
         """The send function of ``message_id`` if it is recorded (None if not), never waiting."""
         return self._sends.get(message_id)  # (a dict lookup is atomic)

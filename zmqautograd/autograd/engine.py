@@ -386,8 +386,7 @@ def plan_for(ctx: DistAutogradContext, local_edges: list | None) -> Plan:
     caller of backward's) and the context's send functions. Kept in the context for its next
     pass while no send function is added (a plan is the same for the same roots)."""
     cached = ctx.plan_cache
-    if local_edges is None and cached is not None and cached[0] is None and cached[2] == ctx.sends_version \
-            and not ctx._expected:
+    if local_edges is None and cached is not None and cached[0] is None and ctx.sends_unchanged_since(cached[2]):
         # A worker's every pass: the plan that prepare_plan built after its answer left.
         # Known current without listing the send functions, which a busy context may have
         # many of (none was added since, and none is due to be).
