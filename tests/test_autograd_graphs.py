@@ -549,6 +549,41 @@ def test_a_send_functions_gradient_the_engine_would_convert_goes_through_the_eng
         assert engine._pass_through(group, {(send, 0): torch.ones(3)}) == ()
 
 
+@pytest.mark.parametrize("profiled", [False, True], ids=["plain", "profiled"])
+def test_a_group_from_a_send_function_starts_the_engine_past_it(monkeypatch, profiled):
+    """engine._engine_roots: a worker's group starts PyTorch's engine at the edges its send
+    function leads to, so the engine never runs the send function's Python node (unless the
+    profiler records, which must show it). A tensor sent twice sums; a gradient of another
+    dtype for a leaf sent as is is converted, as the node's edges would have it; the leaf
+    gets what local autograd gives it."""
+    from zmqautograd.autograd import engine, functions
+    from zmqautograd.autograd.context import DistAutogradContext
+
+    ran = []
+    real_backward = functions.SendRpc.backward
+    monkeypatch.setattr(functions.SendRpc, "backward", staticmethod(lambda ctx, *grads: (ran.append(1), real_backward(ctx, *grads))[1]))
+    leaf = torch.randn(3, requires_grad=True)
+    h = leaf * 2
+    send, keep_alive = functions.make_send_node([h, h, leaf])
+    plan = engine.Plan({7: [(send, 0), (send, 1), (send, 2)]})
+    (group,) = plan.groups
+    assert group.pass_through is None and len(group.nodes) == 2  # the send function and the product
+    context = DistAutogradContext(1)
+    run = engine.Pass(context, plan, 9, True, 1, lambda *args: None)
+    g0, g1, g2 = torch.randn(3), torch.randn(3), torch.randn(3, dtype=torch.float64)
+    if profiled:
+        with torch.autograd.profiler.profile():
+            run.deliver(7, [g0, g1, g2])
+    else:
+        run.deliver(7, [g0, g1, g2])
+    assert run.done.done()
+    run.done.wait()
+    local = leaf.detach().clone().requires_grad_(True)
+    (2 * local * (g0 + g1)).sum().backward()
+    torch.testing.assert_close(context.gradients()[leaf], local.grad + g2.float())
+    assert len(ran) == (1 if profiled else 0)
+
+
 @pytest.mark.parametrize("received_tensor", ["plain", "with a hook", "retaining its grad", "gone", "gone, with a hook"])
 def test_a_send_function_into_a_recv_function_hands_on_its_gradient_unless_hooks_could_differ(
         group, monkeypatch, received_tensor):
