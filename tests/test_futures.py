@@ -1,16 +1,20 @@
-"""Our futures' errors (zmqautograd/rpc/futures.py): waiting on a failed future does not keep
-the waiter's frames alive, each wait raises an error of the same type, message and
-attributes, and where the error was first raised stays readable."""
+"""Our futures (zmqautograd/rpc/futures.py). Their errors: waiting on a failed future does
+not keep the waiter's frames alive, each wait raises an error of the same type, message and
+attributes, and where the error was first raised stays readable; for ``Future`` (a torch
+future) and ``Outcome`` (the library's own, lighter one) alike. ``Outcome``'s callbacks,
+``then`` and blocking ``wait``."""
 
 from __future__ import annotations
 
 import gc
+import logging
+import threading
 import weakref
 
 import pytest
 
 from transport import PeerLostError
-from zmqautograd.rpc.futures import Future, traceback_text
+from zmqautograd.rpc.futures import Future, Outcome, traceback_text
 from zmqautograd.rpc.serialization import encode_exception
 
 pytestmark = pytest.mark.timeout(30)
@@ -28,8 +32,8 @@ def _wait_and_swallow(future, marker) -> None:
         pass
 
 
-def _marker_survives() -> bool:
-    future = Future()
+def _marker_survives(kind) -> bool:
+    future = kind()
     future.set_exception(PeerLostError("3", "lost peer '3'"))
     marker = _Marker()
     alive = weakref.ref(marker)
@@ -40,15 +44,20 @@ def _marker_survives() -> bool:
     return alive() is not None
 
 
-def test_waiting_on_a_failed_future_keeps_nothing_alive():
+KINDS = pytest.mark.parametrize("kind", [Future, Outcome], ids=["Future", "Outcome"])
+
+
+@KINDS
+def test_waiting_on_a_failed_future_keeps_nothing_alive(kind):
     # (torch's own set_exception raises the one stored error from every wait: its traceback
     # then holds the waiter's frame, and the cycle through the future's C++ side is never
     # collected.)
-    assert not _marker_survives()
+    assert not _marker_survives(kind)
 
 
-def test_each_wait_raises_a_fresh_error_of_the_same_kind():
-    future = Future()
+@KINDS
+def test_each_wait_raises_a_fresh_error_of_the_same_kind(kind):
+    future = kind()
     future.set_exception(PeerLostError("3", "lost peer '3': connection closed"))
     raised = []
     for wait in (future.wait, future.value, future.wait):
@@ -64,12 +73,13 @@ def _fails_deep_inside() -> None:
     raise ValueError("bad value")
 
 
-def test_where_an_error_was_first_raised_stays_readable_and_travels():
+@KINDS
+def test_where_an_error_was_first_raised_stays_readable_and_travels(kind):
     try:
         _fails_deep_inside()
     except ValueError as exc:
         error = exc
-    future = Future()
+    future = kind()
     future.set_exception(error)
     assert error.__traceback__ is None  # kept without it: the future holds no frames
     with pytest.raises(ValueError, match="bad value") as caught:
@@ -85,9 +95,63 @@ class _TwoArgumentError(RuntimeError):
         self.code = code
 
 
-def test_an_error_whose_constructor_takes_other_arguments_is_raised_as_itself():
-    future = Future()
+@KINDS
+def test_an_error_whose_constructor_takes_other_arguments_is_raised_as_itself(kind):
+    future = kind()
     future.set_exception(_TwoArgumentError(7, "odd"))
     with pytest.raises(_TwoArgumentError, match="7: odd") as caught:
         future.wait()
     assert caught.value.code == 7
+
+
+def test_an_outcomes_callbacks_run_once_set_or_at_once_after_and_a_failing_one_is_logged(caplog):
+    outcome = Outcome()
+    seen = []
+    outcome.add_done_callback(lambda done: seen.append(("before", done.value())))
+    outcome.add_done_callback(lambda done: 1 / 0)  # logged; the others still run
+    outcome.add_done_callback(lambda done: seen.append(("also before", done.value())))
+    assert not outcome.done() and seen == []
+    with caplog.at_level(logging.ERROR, logger="zmqautograd.rpc.futures"):
+        outcome.set_result(5)
+    assert outcome.done() and seen == [("before", 5), ("also before", 5)]
+    assert "ZeroDivisionError" in caplog.text
+    outcome.add_done_callback(lambda done: seen.append(("after", done.value())))
+    assert seen[-1] == ("after", 5)
+    with pytest.raises(RuntimeError, match="set already"):
+        outcome.set_result(6)
+    assert outcome.value() == 5
+
+
+def test_an_outcomes_then_carries_the_result_or_the_error():
+    outcome = Outcome()
+    doubled = outcome.then(lambda done: done.value() * 2)
+    failed = outcome.then(lambda done: {}["missing"])
+    outcome.set_result(21)
+    assert doubled.value() == 42
+    with pytest.raises(KeyError, match="missing"):
+        failed.wait()
+    broken = Outcome()
+    following = broken.then(lambda done: done.value())
+    broken.set_exception(PeerLostError("3", "lost peer '3'"))
+    with pytest.raises(PeerLostError, match="lost peer '3'"):
+        following.value()
+
+
+def test_an_outcomes_wait_blocks_until_another_thread_sets_it():
+    outcome = Outcome()
+    waiting = threading.Event()
+    got = []
+
+    def waiter():
+        waiting.set()
+        got.append(outcome.wait())
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    waiting.wait(5)
+    assert not got  # nothing set yet (a waiter that returned would show here, or in the end)
+    outcome.set_result("ready")
+    for thread in threads:
+        thread.join(5)
+    assert got == ["ready"] * 3

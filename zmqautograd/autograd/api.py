@@ -13,7 +13,7 @@ from transport import MessageType
 
 from ..rpc import current
 from ..rpc.errors import RpcError
-from ..rpc.futures import Future
+from ..rpc.futures import Outcome
 from . import cleanup
 from .context import ContextContainer, DistAutogradContext
 from .engine import LOCAL_ROOT, Pass, plan_for, routes_for
@@ -180,7 +180,7 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
 
 
 def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
-                    ticketed: bool = False) -> torch.futures.Future | None:
+                    ticketed: bool = False) -> Outcome | None:
     """A recv function fired: send its gradients to the worker the tensors came from (one-way
     when ``run`` does not wait for the answer; ``ticketed``: with a ticket, and the routes
     and report sink of the originator, which waits for a report: engine.py, "Forwarding").
@@ -197,7 +197,7 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
     if not awaited:
         agent.notify(info.from_worker, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ, placement)
         return None
-    delivered: torch.futures.Future = Future()
+    delivered = Outcome()
 
     def answered(riding: Any, error: BaseException | None) -> None:
         if error is None and riding is not None:
@@ -247,7 +247,7 @@ def _fail_if_lost(agent: Any, run: Pass) -> None:
 
 def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
                       reply_to: int = -1, ticket: int | None = None, routes: list | None = None,
-                      sink: int | None = None, delegated: list | None = None) -> torch.futures.Future:
+                      sink: int | None = None, delegated: list | None = None) -> Outcome:
     """On the worker that sent the tensors: the gradients for send function ``message_id``
     (``reply_to``: the sender, when it waits for the answer). The first request of a pass is
     answered when this worker's pass is done, with the gradients that ride on the answer if
@@ -268,7 +268,7 @@ def _backward_request(context_id: int, message_id: int, pass_id: int, retain_gra
     return _ANSWERED
 
 
-_ANSWERED: torch.futures.Future = torch.futures.Future()
+_ANSWERED = Outcome()
 _ANSWERED.set_result(None)
 
 
@@ -292,7 +292,7 @@ def _ticketed_request(agent: Any, context_id: int, message_id: int, pass_id: int
         _report(agent, originator, sink, context_id, pass_id, (delegated or []) + [[number, []]], None, None)
         return
 
-    def finished(done: torch.futures.Future) -> None:
+    def finished(done: Outcome) -> None:
         try:
             riding, error = _riding_gradients(done.value(), pass_id, retain_graph), None
         except Exception as exc:  # noqa: BLE001 - the pass's error, for the originator

@@ -73,7 +73,7 @@ from torch.autograd.graph import GradientEdge
 
 from .. import timers
 from ..rpc.errors import RpcError
-from ..rpc.futures import Future
+from ..rpc.futures import Outcome
 from .context import DistAutogradContext, add_gradients
 from .functions import (
     _ACCUMULATE_GRAD_TYPE, RECV_NODE_TYPE, SEND_NODE_TYPE, RecvInfo, profiling, call_tensor_hooks, is_leaf_node, is_recv_node, make_suppressible, post_hooks_of, profiled, recv_info,
@@ -520,7 +520,7 @@ class Pass:
 
     def __init__(
         self, context: DistAutogradContext, plan: Plan, pass_id: int, retain_graph: bool, worker_id: int,
-        send_gradients: Callable[[Any, list, "Pass", bool, bool], torch.futures.Future | None], home: bool = False,
+        send_gradients: Callable[[Any, list, "Pass", bool, bool], Outcome | None], home: bool = False,
         idle_timeout: float | None = None, requester: int | None = None, home_waiting: tuple | None = None,
         ticket: tuple | None = None, forward_gradients: Callable[[tuple, list, "Pass", bool], None] | None = None,
     ):
@@ -585,7 +585,7 @@ class Pass:
         self._tickets: dict[int, int] = {}
         self._early: set = set()
         self._settled = 0
-        self.done = Future()  # all local work and every request we sent
+        self.done = Outcome()  # all local work and every request we sent
         self.node_runs = 0  # groups and recv functions run (tests count them)
         # The caller of backward() runs its pass's work itself (``run_at_home``): its
         # thread-local state (the profiler, grad mode) then applies, as torch's engine
@@ -923,7 +923,7 @@ class Pass:
     def _all_done(self) -> bool:  # caller holds the lock
         return self._remaining == 0 and self._outstanding == 0 and not self._tickets and not self._early
 
-    def _request_done(self, future: torch.futures.Future) -> None:
+    def _request_done(self, future: Outcome) -> None:
         try:
             future.value()
         except BaseException as exc:  # noqa: BLE001

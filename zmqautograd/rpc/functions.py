@@ -8,6 +8,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import AsyncResultError
+from .futures import Outcome
 
 
 def async_execution(fn: Callable) -> Callable:
@@ -33,7 +34,8 @@ def is_async_function(function: Any) -> bool:
 def check_async_result(function: Any, result: Any) -> None:
     """A function marked ``async_execution`` must return a future; raise AsyncResultError (a
     RuntimeError, as torch's, and a TypeError) with torch's message if not."""
-    if not isinstance(result, torch._C.Future):  # .then() returns the C++ base class
+    # (.then() returns the C++ base class; the library's own functions may return an Outcome.)
+    if not isinstance(result, (torch._C.Future, Outcome)):
         raise AsyncResultError(
             f"Functions decorated with @rpc.async_function must return a torch.futures.Future object, "
             f"but got {type(result)} ({getattr(function, '__qualname__', function)} is marked async_execution)"

@@ -16,10 +16,16 @@ the copy's traceback belongs to that raise alone, and goes when the caller lets 
 from __future__ import annotations
 
 import copy
+import logging
+import threading
 import traceback
+from _thread import allocate_lock as _allocate_lock
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class Future(torch.futures.Future):
@@ -70,3 +76,96 @@ def _copy(error: Exception) -> Exception:
     fresh.__cause__ = error.__cause__
     fresh.__suppress_context__ = error.__suppress_context__
     return fresh
+
+
+class Outcome:
+    """A future for the library's own bookkeeping (a backward pass's end, the answer to a
+    gradient request): set once, from any thread; callbacks run on the thread that sets it,
+    or at once on the thread that adds one after. Errors as ``Future``'s: kept without
+    their traceback, a fresh copy raised from each ``value()`` / ``wait()``.
+
+    Not a ``torch.futures.Future``: a pass went through several of those (its end, the
+    callbacks on it, the answer that follows from it), and through pybind11 each costs
+    more than the Python here (measured warm: making one 1.4 us, each callback added 1.5
+    us, setting one 2 us and more per callback; this class a fraction of each). Where a
+    torch future is required (a user's ``async_execution`` function must return one), use
+    ``Future``."""
+
+    __slots__ = ("_lock", "_finished", "_value", "_error", "_callbacks", "_event")
+
+    def __init__(self) -> None:
+        self._lock = _allocate_lock()
+        self._finished = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list | None = []
+        self._event: threading.Event | None = None  # made by the first wait() that blocks
+
+    def done(self) -> bool:
+        return self._finished
+
+    def set_result(self, value: Any) -> None:
+        self._set(value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        if not isinstance(error, Exception):
+            raise AssertionError(f"{error} is of type {type(error)}, not an Exception.")
+        keep_without_traceback(error)
+        self._set(None, error)
+
+    def _set(self, value: Any, error: BaseException | None) -> None:
+        with self._lock:
+            if self._finished:
+                raise RuntimeError("this Outcome was set already")
+            self._value, self._error = value, error
+            self._finished = True
+            callbacks, self._callbacks = self._callbacks, None
+            event = self._event
+        if event is not None:
+            event.set()
+        for callback in callbacks:
+            self._run(callback)
+
+    def _run(self, callback: Callable) -> None:
+        try:
+            callback(self)
+        except Exception:  # noqa: BLE001 - as torch's futures: logged, the others still run
+            log.exception("callback %r of an Outcome failed", callback)
+
+    def add_done_callback(self, callback: Callable[["Outcome"], Any]) -> None:
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append(callback)
+                return
+        self._run(callback)
+
+    def then(self, callback: Callable[["Outcome"], Any]) -> "Outcome":
+        """An Outcome set to ``callback(self)`` once this one is set (or to what it raised)."""
+        following = Outcome()
+
+        def chain(done: Outcome) -> None:
+            try:
+                value = callback(done)
+            except Exception as exc:  # noqa: BLE001 - the following outcome's error
+                following.set_exception(exc)
+                return
+            following.set_result(value)
+
+        self.add_done_callback(chain)
+        return following
+
+    def value(self) -> Any:
+        """The result, or a fresh copy of the error (only once set)."""
+        if self._error is not None:
+            raise _copy(self._error)
+        return self._value
+
+    def wait(self) -> Any:
+        if not self._finished:
+            with self._lock:
+                if not self._finished and self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            if event is not None:
+                event.wait()
+        return self.value()
