@@ -103,10 +103,6 @@ def fence() -> None:
     _fence_lock.release()
 
 
-def _pad(n: int) -> int:
-    return -n & 7
-
-
 def _map(fd: int, size: int) -> mmap.mmap:
     # MAP_POPULATE: the page-table entries are made now, not by a fault per page on the
     # message path (the pages themselves exist already: _create_memfd allocates them).
@@ -335,7 +331,7 @@ def encode(frames: Sequence[Any]) -> list:
         for frame, size in zip(frames, sizes):
             parts.append(frame)
             if size & 7:
-                parts.append(_ZEROS[:_pad(size)])
+                parts.append(_ZEROS[:-size & 7])
         return [memoryview(b"".join(parts))]
     views = [memoryview(frame).cast("B") for frame in frames]
     small: list = [header]
@@ -353,7 +349,7 @@ def encode(frames: Sequence[Any]) -> list:
             pieces.append(view)
         else:
             small.append(view)
-        pad = _pad(view.nbytes)
+        pad = -view.nbytes & 7
         if pad:
             small.append(_ZEROS[:pad])
     flush_small()
@@ -412,7 +408,7 @@ class StreamDecoder:
             raise RemoteProtocolError(f"shared-memory stream: message of {total} bytes (limit {self._max_bytes})")
         size = header + total
         for length in lengths:
-            size += _pad(length)
+            size += -length & 7  # each frame padded to 8 bytes (the module docstring)
         if end - position < size:
             return None, size
         if len(view) > _SHARE_MAX and size < len(view) // 4:
@@ -423,7 +419,7 @@ class StreamDecoder:
         at = position + header
         for length in lengths:
             frames.append(view[at:at + length])
-            at += length + _pad(length)
+            at += length + (-length & 7)
         return frames, size
 
 
