@@ -4,16 +4,13 @@ serve until the driver (the test process, rank 0) shuts the group down."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 
 import zmqautograd.rpc as rpc
+from tools import ports
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = ports.free_port  # (tools/ports.py: one that no connect() takes meanwhile)
 
 
 def spawn_and_collect(target, per_process_args: list[tuple], timeout: float = 90) -> list:

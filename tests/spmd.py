@@ -19,21 +19,19 @@ import faulthandler
 import importlib
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import time
 import traceback
 from typing import Any
+
+from tools import ports
 
 LEAK_WAIT = 10.0
 _BARRIER_FAILED = "the harness's barrier after the test failed"
 STACKS_AHEAD = 5.0  # seconds before the harness gives up on a test that its workers dump their stacks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = ports.free_port  # (tools/ports.py: one that no connect() takes meanwhile)
 
 
 def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name: str, options: dict, conn,

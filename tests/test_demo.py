@@ -24,11 +24,9 @@ def test_demo_trains_over_rpc():
 @pytest.mark.timeout(180)
 def test_demo_as_separate_processes_joined_by_env(tmp_path):
     """As docker-compose and torchrun run it: one process per rank, env:// rendezvous."""
-    import socket
+    from tools.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     processes = [
         subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "tools", "demo.py"), "--steps", "250"],

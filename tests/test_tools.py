@@ -5,12 +5,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import socket
 import struct
 
 import pytest
 import torch
 
-from tools import delivery, floor, machine, shm_floor
+from tools import delivery, floor, machine, ports, shm_floor
 
 
 @pytest.mark.timeout(60)
@@ -177,3 +178,18 @@ def test_delivery_traces_a_one_hop_step():
         reads = [delay for key, delays in found.items() if key[:2] == (sender, receiver) for delay in delays]
         assert len(reads) >= steps, (sender, receiver, len(reads))
         assert all(delay >= 0 for delay in reads)
+
+
+@pytest.mark.timeout(30)
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range(monkeypatch):
+    """tools/ports.py: no port handed out twice, none from the range connect() draws its
+    local ports from (a rendezvous store once lost its port to one), and one of the
+    ephemeral range only where the range below is too small."""
+    start = ports.ephemeral_start()
+    given = [ports.free_port() for _ in range(40)]
+    assert len(set(given)) == 40
+    assert all(20000 <= port < start for port in given)
+    with socket.socket() as listener:  # free means bindable now
+        listener.bind(("127.0.0.1", given[-1]))
+    monkeypatch.setattr(ports, "ephemeral_start", lambda: 20500)  # a range below too small
+    assert ports.free_port() >= start  # the kernel's own choice, from its ephemeral range

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -60,7 +59,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import zmqautograd.autograd as zmq_autograd  # noqa: E402
 import zmqautograd.rpc as zmq_rpc  # noqa: E402
-from tools import floor, shm_floor  # noqa: E402
+from tools import floor, ports, shm_floor  # noqa: E402
 from tools.machine import StealMeter, percent, speed_line  # noqa: E402
 
 WORLD = 4
@@ -98,9 +97,7 @@ def _queue():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()
 
 
 def small_latency(rpc, per_round: int) -> float:

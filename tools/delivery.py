@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -38,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+from tools import ports  # noqa: E402
 
 # This process's trace, filled by the wrapped ring functions (``_install``).
 _writes: list = []  # (ns, receiver, whether a thread of the receiver was spinning)
@@ -143,9 +144,7 @@ def _run(rank: int, world: int, port: int, steps: int, warmup: int, results) -> 
 
 def measure(pipeline: bool, steps: int, warmup: int = 100) -> tuple[float, dict[tuple, list[float]]]:
     """Run ``steps`` steps after ``warmup``; the mean step in us and ``delays``' result."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = ports.free_port()
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     world = 4 if pipeline else 2

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 import warnings
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import zmqautograd.autograd as dist_autograd  # noqa: E402
 import zmqautograd.rpc as rpc  # noqa: E402
+from tools import ports  # noqa: E402
 from zmqautograd.optim import DistributedOptimizer  # noqa: E402
 
 WORKERS = 3
@@ -123,9 +123,7 @@ def main() -> None:
             raise SystemExit(f"the demo runs with WORLD_SIZE={WORLD} (a driver and {WORKERS} workers)")
         run(int(os.environ["RANK"]), "env://", args.steps, args.batch, args.busy_poll)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = ports.free_port()
     # The four processes fork from one server that imported torch and zmqautograd first, so
     # they share one address layout: where they take turns on fewer CPUs than processes,
     # each runs its share faster than with a layout of its own, as spawn gives them

@@ -20,7 +20,6 @@ import argparse
 import collections
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.multiprocessing as mp  # noqa: E402
 
 import stress_functions as sf  # noqa: E402
+from tools import ports  # noqa: E402
 import zmqautograd.rpc as rpc  # noqa: E402
 
 WORLD = 4
@@ -56,9 +56,7 @@ def main() -> int:
         options.update(messages_to_fail=RETRYABLE, num_fail_sends=3, fail_fraction=0.25, fault_seed=args.seed,
                        messages_to_delay={"RREF_USER_DELETE": 0.05, "CLEANUP_AUTOGRAD_CONTEXT_REQ": 0.05},
                        max_retries=12, retry_delay=0.02, retry_backoff=1.5)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init_method = f"tcp://127.0.0.1:{ports.free_port()}"
     ctx = mp.get_context("spawn")
     processes = [ctx.Process(target=sf.serve, args=(rank, WORLD, init_method, options), daemon=True) for rank in range(1, WORLD)]
     for process in processes:
