@@ -384,25 +384,27 @@ class Plan:
 def plan_for(ctx: DistAutogradContext, local_edges: list | None) -> Plan:
     """The plan of a pass over ``ctx`` on this worker: its roots are ``local_edges`` (the
     caller of backward's) and the context's send functions. Kept in the context for its next
-    pass while no send function is added (a plan is the same for the same roots)."""
+    pass with the same local root while no send function is added (a plan is the same for
+    the same roots)."""
     cached = ctx.plan_cache
-    if local_edges is None and cached is not None and cached[0] is None and ctx.sends_unchanged_since(cached[2]):
-        # A worker's every pass: the plan that prepare_plan built after its answer left.
-        # Known current without listing the send functions, which a busy context may have
-        # many of (none was added since, and none is due to be).
+    local = None if local_edges is None else tuple(local_edges)
+    if cached is not None and cached[0] == local and ctx.sends_unchanged_since(cached[2]):
+        # A worker's every pass: the plan that prepare_plan built after its answer left (or
+        # a second pass from the same loss). Known current without listing the send
+        # functions, which a busy context may have many of (none was added since, and none
+        # is due to be).
         return cached[1]
     version = ctx.sends_version  # before listing them: one added meanwhile makes this plan stale
-    roots: dict[Any, list] = {}
+    roots: dict[Any, Any] = {}
     if local_edges:
         roots[LOCAL_ROOT] = local_edges
+    parts = ctx.part_cache
     for message_id, node in sorted(ctx._send_functions().items()):
-        roots[message_id] = [(node, slot) for slot in range(len(node.next_functions))]
-    key = tuple((k, tuple(v)) for k, v in roots.items())
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    plan = Plan(roots, parts=ctx.part_cache)
-    # (key, plan, version); key None: the send functions alone, as of ``version``.
-    ctx.plan_cache = (None if local_edges is None else key, plan, version)
+        part = parts.get(message_id)  # (walked ahead of time: its edges are the node's)
+        roots[message_id] = part.edges if part is not None else [(node, slot) for slot in range(len(node.next_functions))]
+    plan = Plan(roots, parts=parts)
+    # (the local root, None for none; the plan; the send functions' version it was built at)
+    ctx.plan_cache = (local, plan, version)
     return plan
 
 
