@@ -193,3 +193,19 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range(monkeypa
         listener.bind(("127.0.0.1", given[-1]))
     monkeypatch.setattr(ports, "ephemeral_start", lambda: 20500)  # a range below too small
     assert ports.free_port() >= start  # the kernel's own choice, from its ephemeral range
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("switch", ["outcome", "engine-past-send"])
+def test_the_in_launch_ab_runs_both_sides_of_a_switch(switch):
+    """tools/ab_inlaunch.py: a short one-hop run with each switch: both sides run (the
+    steps check their gradients) and the line it prints holds a ratio per round."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "tools", "ab_inlaunch.py"), "hop", switch,
+                           "--rounds", "2", "--steps", "20"], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = [line for line in done.stdout.splitlines() if line.startswith(f"hop, {switch}:")]
+    assert len(line) == 1 and line[0].endswith("of 2 below 1"), done.stdout
