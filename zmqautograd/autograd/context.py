@@ -47,7 +47,7 @@ class DistAutogradContext:
         # The backward pass in progress on this worker, and the cached plan (engine.py).
         self.current_pass: Any = None
         self.plan_cache: Any = None
-        self.sends_version = 0  # counts send functions added (plan_for's cache of plans without a local root)
+        self.sends_version = 0  # counts send functions added (whether plan_for's cached plan is current)
         self.part_cache: dict = {}  # root key -> what it reaches (engine._Part)
 
     # The seeds' accessors (used by tests and tools).

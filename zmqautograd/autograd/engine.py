@@ -1022,16 +1022,14 @@ def _engine_roots(entries: dict) -> tuple[tuple, tuple]:
     the engine, ~7 us of a worker's ~22 us call, measured warm). The engine sums roots that
     share an edge, as it would have summed what the node gave them. Under the profiler the
     node runs, so that it shows as SendRpcBackward."""
+    past_sends = not profiling()
     edges = []
     for node, slot in entries:
-        if type(node) is SEND_NODE_TYPE and not profiling():
-            target, target_slot = node.next_functions[slot]
-            if target is None:  # (the function only takes tensors that require grad)
-                edges.append(GradientEdge(node, slot))
-            else:
-                edges.append(GradientEdge(target, target_slot))
-        else:
-            edges.append(GradientEdge(node, slot))
+        if past_sends and type(node) is SEND_NODE_TYPE:
+            target = node.next_functions[slot]
+            if target[0] is not None:  # (always: the function only takes tensors that require grad)
+                node, slot = target
+        edges.append(GradientEdge(node, slot))
     return tuple(edges), tuple(entries.values())
 
 

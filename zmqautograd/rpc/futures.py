@@ -32,11 +32,17 @@ class Future(torch.futures.Future):
     """``torch.futures.Future`` with errors as described above."""
 
     def set_exception(self, result: Any) -> None:
-        if not isinstance(result, Exception):  # torch's own check
-            raise AssertionError(f"{result} is of type {type(result)}, not an Exception.")
-        keep_without_traceback(result)
+        _keep_error(result)
         self._set_unwrap_func(_raise_copy)
         self.set_result(result)
+
+
+def _keep_error(error: Any) -> None:
+    """What both kinds of future do with an error they are to hold: refuse what is not an
+    Exception (torch's own check and message), then keep it without its traceback."""
+    if not isinstance(error, Exception):
+        raise AssertionError(f"{error} is of type {type(error)}, not an Exception.")
+    keep_without_traceback(error)
 
 
 def keep_without_traceback(error: BaseException) -> None:
@@ -108,9 +114,7 @@ class Outcome:
         self._set(value, None)
 
     def set_exception(self, error: BaseException) -> None:
-        if not isinstance(error, Exception):
-            raise AssertionError(f"{error} is of type {type(error)}, not an Exception.")
-        keep_without_traceback(error)
+        _keep_error(error)
         self._set(None, error)
 
     def _set(self, value: Any, error: BaseException | None) -> None:
