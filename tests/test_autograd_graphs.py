@@ -491,6 +491,25 @@ def test_a_send_function_into_leaves_hands_its_gradients_on_without_the_engine(g
     assert len(engine_calls) == 1
 
 
+def test_send_functions_are_listed_by_message_id_whatever_order_they_were_recorded_in():
+    """DistAutogradContext._send_functions: an rpc_sync records its send function while its
+    call travels, so the answer to a nested call back to this worker can be recorded first;
+    the seeds' tests take the first listed as their call's (test_graph_for_py_nested_call_itself
+    failed once that way)."""
+    from zmqautograd.autograd import functions
+    from zmqautograd.autograd.context import DistAutogradContext
+
+    leaf = torch.randn(3, requires_grad=True)
+    ctx = DistAutogradContext(1)
+    answer = functions.make_send_node([leaf * 2])
+    call = functions.make_send_node([leaf * 3, leaf * 4])
+    ctx.add_send_function(9, *answer)  # the nested call's answer, recorded first
+    ctx.add_send_function(4, *call)  # the worker's own call, whose id came first
+    listed = ctx._send_functions()
+    assert list(listed) == [4, 9]
+    assert listed[4] is call[0] and len(listed[4].next_functions) == 2
+
+
 def test_a_plan_of_send_functions_alone_is_reused_until_one_is_added():
     """engine.plan_for: a worker's passes reuse the plan built after its answer left, without
     listing the send functions again; a send function added since makes it build anew, also

@@ -60,10 +60,15 @@ class DistAutogradContext:
         return self._id
 
     def _send_functions(self) -> dict[int, Any]:
+        """By message id, in the order the ids were handed out: the order the seeds record
+        them in. Recording order can differ here: an ``rpc_sync`` records its send function
+        while its call travels, so the answer to a nested call back to this worker may be
+        recorded first (the seed test ``test_graph_for_py_nested_call_itself`` takes the
+        first one as its call's)."""
         with self._lock:
             if self._expected:
                 self._wait_recorded_locked(lambda: not self._expected)
-            return dict(self._sends)
+            return dict(sorted(self._sends.items()))
 
     def _recv_functions(self) -> dict[int, Any]:
         with self._lock:

@@ -399,7 +399,7 @@ def plan_for(ctx: DistAutogradContext, local_edges: list | None) -> Plan:
     if local_edges:
         roots[LOCAL_ROOT] = local_edges
     parts = ctx.part_cache
-    for message_id, node in sorted(ctx._send_functions().items()):
+    for message_id, node in ctx._send_functions().items():  # (by message id)
         part = parts.get(message_id)  # (walked ahead of time: its edges are the node's)
         roots[message_id] = part.edges if part is not None else [(node, slot) for slot in range(len(node.next_functions))]
     plan = Plan(roots, parts=parts)
