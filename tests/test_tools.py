@@ -209,3 +209,37 @@ def test_the_in_launch_ab_runs_both_sides_of_a_switch(switch):
     assert done.returncode == 0, done.stderr[-2000:]
     line = [line for line in done.stdout.splitlines() if line.startswith(f"hop, {switch}:")]
     assert len(line) == 1 and line[0].endswith("of 2 below 1"), done.stdout
+
+
+def test_phases_table_takes_each_phase_median_over_launches():
+    """tools/phases.py's table: per phase, the median over launches of each framework, and
+    their ratio (pure: no processes)."""
+    from tools import phases
+
+    found = {"tp": [[1, 100, 2, 200, 3, 4, 310], [3, 300, 2, 400, 3, 4, 712], [2, 200, 2, 300, 3, 4, 511]],
+             "zmq": [[1, 50, 2, 600, 3, 4, 660], [1, 70, 2, 600, 3, 4, 680], [1, 60, 2, 600, 3, 4, 670]]}
+    lines = phases.table("hop", found)
+    assert len(lines) == 1 + 7  # the heading, six phases and the whole step
+    rows = {line[:24].strip(): line[24:].split() for line in lines[1:]}
+    assert rows["rpc_sync"] == ["200.0", "us", "60.0", "us", "0.30x"]
+    assert rows["backward"] == ["300.0", "us", "600.0", "us", "2.00x"]
+    assert rows["whole step"][4] == "1.31x"  # 670 / 511
+
+
+@pytest.mark.timeout(180)
+def test_phases_runs_the_one_hop_step_of_both_frameworks():
+    """tools/phases.py end to end, briefly: both frameworks' groups run the one-hop step
+    (which checks its gradient) and every phase gets a figure."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "tools", "phases.py"), "hop", "--steps", "20",
+                           "--launches", "1"], capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.endswith("x")]
+    assert [row[:24].strip() for row in rows] == ["enter", "rpc_sync", "loss", "backward", "get_gradients", "exit",
+                                                  "whole step"], done.stdout
+    for row in rows:
+        tp, _, ours, _, ratio = row[24:].split()
+        assert float(tp.replace(",", "")) > 0 and float(ours.replace(",", "")) > 0 and ratio.endswith("x")

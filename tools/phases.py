@@ -1,0 +1,147 @@
+"""Where a dist autograd step's time goes, phase by phase, TensorPipe next to zmqautograd.
+
+The bench (tools/bench.py) times whole steps; this splits the one-hop step or the 4-stage
+pipeline step of the bench into what the caller sees: entering the context, the local stage,
+each ``rpc_sync`` of the forward, the loss, ``backward``, ``get_gradients`` (one hop) and
+leaving the context (which releases it everywhere). Each framework runs alone in its own
+processes (one intra-op thread each), the launches alternating (TensorPipe, zmqautograd,
+TensorPipe, ...); a phase's figure is the median over its steps, and the table gives the
+median over launches and the ratio zmqautograd / TensorPipe. It answers "which half of the
+step is behind" (e.g. the forward's calls or the backward's messages) before any tracing.
+
+    python tools/phases.py hop|pipe [--steps 1000] [--launches 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from tools import ports  # noqa: E402
+from tools.bench import WIDTH, _join_alone, stage  # noqa: E402
+
+FRAMEWORKS = {"tp": "TensorPipe", "zmq": "zmqautograd"}
+STAGES = ("worker1", "worker2", "worker3")
+
+
+def hop_phases() -> tuple[list[str], object]:
+    """The one-hop step of the bench, cut at each phase boundary."""
+    names = ["enter", "rpc_sync", "loss", "backward", "get_gradients", "exit"]
+
+    def step(rpc, autograd, x, clock) -> list[float]:
+        marks = [clock()]
+        with autograd.context() as context_id:
+            marks.append(clock())
+            y = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))
+            marks.append(clock())
+            loss = y.sum()
+            marks.append(clock())
+            autograd.backward(context_id, [loss])
+            marks.append(clock())
+            grad = autograd.get_gradients(context_id)[x]
+            marks.append(clock())
+        marks.append(clock())
+        if grad[0] != 2:
+            raise AssertionError(f"one hop: gradient {grad} instead of 2")
+        return marks
+
+    return names, step
+
+
+def pipeline_phases() -> tuple[list[str], object]:
+    """The 4-stage pipeline step of the bench, cut at each phase boundary."""
+    names = ["enter", "stage 0 (local)"] + [f"rpc_sync to {w}" for w in STAGES] + ["loss", "backward", "exit"]
+
+    def step(rpc, autograd, x, clock) -> list[float]:
+        marks = [clock()]
+        with autograd.context() as context_id:
+            marks.append(clock())
+            h = stage(x)
+            marks.append(clock())
+            for worker in STAGES:
+                h = rpc.rpc_sync(worker, stage, args=(h,))
+                marks.append(clock())
+            loss = h.sum()
+            marks.append(clock())
+            autograd.backward(context_id, [loss])
+            marks.append(clock())
+        marks.append(clock())
+        return marks
+
+    return names, step
+
+
+KINDS = {"hop": (2, hop_phases), "pipe": (4, pipeline_phases)}
+
+
+def _run(rank: int, framework: str, kind: str, port: int, steps: int, results) -> None:
+    torch.set_num_threads(1)
+    world, phases = KINDS[kind]
+    rpc, autograd = _join_alone(rank, world, framework, 0.0, port)
+    if rank == 0:
+        names, step = phases()
+        x = torch.ones(2, requires_grad=True) if kind == "hop" else torch.randn(32, WIDTH, requires_grad=True)
+        clock = time.perf_counter
+        for _ in range(max(10, steps // 10)):  # warm-up
+            step(rpc, autograd, x, clock)
+        columns: list[list[float]] = [[] for _ in range(len(names) + 1)]
+        for _ in range(steps):
+            marks = step(rpc, autograd, x, clock)
+            for column, (start, end) in zip(columns, zip(marks, marks[1:])):
+                column.append(end - start)
+            columns[-1].append(marks[-1] - marks[0])
+        results.put([statistics.median(column) * 1e6 for column in columns])
+    rpc.shutdown()
+
+
+def measure(kind: str, steps: int, launches: int) -> dict[str, list[list[float]]]:
+    """Per framework, one list of phase medians (us; the last: the whole step) per launch."""
+    world, _ = KINDS[kind]
+    context = mp.get_context("spawn")
+    found: dict[str, list[list[float]]] = {framework: [] for framework in FRAMEWORKS}
+    for _ in range(launches):
+        for framework in FRAMEWORKS:
+            results = context.SimpleQueue()
+            mp.start_processes(_run, args=(framework, kind, ports.free_port(), steps, results), nprocs=world,
+                               start_method="spawn")
+            found[framework].append(results.get())
+    return found
+
+
+def table(kind: str, found: dict[str, list[list[float]]]) -> list[str]:
+    """The printed table: each phase's median over launches per framework, and the ratio."""
+    names = KINDS[kind][1]()[0] + ["whole step"]
+    lines = [f"{'phase (' + kind + ')':<24}{'TensorPipe':>12}{'zmqautograd':>13}{'ratio':>8}"]
+    for index, name in enumerate(names):
+        tp = statistics.median(launch[index] for launch in found["tp"])
+        ours = statistics.median(launch[index] for launch in found["zmq"])
+        ratio = f"{ours / tp:.2f}x" if tp > 0 else "-"
+        lines.append(f"{name:<24}{tp:>9,.1f} us{ours:>10,.1f} us{ratio:>8}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=sorted(KINDS))
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--launches", type=int, default=2, help="launches of each framework, alternating")
+    args = parser.parse_args()
+    found = measure(args.kind, args.steps, args.launches)
+    print(f"medians over {args.steps} steps, median of {args.launches} launch(es) each, each framework alone, "
+          f"torch.set_num_threads(1), spawn", flush=True)
+    for line in table(args.kind, found):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
