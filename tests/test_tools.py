@@ -243,3 +243,16 @@ def test_phases_runs_the_one_hop_step_of_both_frameworks():
     for row in rows:
         tp, _, ours, _, ratio = row[24:].split()
         assert float(tp.replace(",", "")) > 0 and float(ours.replace(",", "")) > 0 and ratio.endswith("x")
+
+
+def test_kind_line_names_the_cpu_and_the_hypervisor():
+    """tools/machine.py: the CPU model and the hypervisor from /proc/cpuinfo-style text (pure),
+    and the line itself on this machine."""
+    cpuinfo = "processor\t: 0\nmodel name\t: Intel(R)  Xeon(R) Processor\nflags\t\t: fpu vme hypervisor lahf_lm\n"
+    assert machine._cpu_model(cpuinfo) == "Intel(R) Xeon(R) Processor"
+    assert machine._cpu_model("processor\t: 0\n") == "unknown CPU"
+    assert machine._hypervisor(cpuinfo, "KVM") == "a KVM guest"
+    assert machine._hypervisor(cpuinfo, None) == "a guest VM"
+    assert machine._hypervisor(cpuinfo.replace(" hypervisor", ""), "KVM") == "no hypervisor flag"
+    line = machine.kind_line()
+    assert line.startswith("machine: ") and " CPU(s), " in line and os.uname().release in line

@@ -60,7 +60,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import zmqautograd.autograd as zmq_autograd  # noqa: E402
 import zmqautograd.rpc as zmq_rpc  # noqa: E402
 from tools import floor, ports, shm_floor  # noqa: E402
-from tools.machine import StealMeter, percent, speed_line  # noqa: E402
+from tools.machine import StealMeter, kind_line, percent, speed_line  # noqa: E402
 
 WORLD = 4
 WIDTH = 64
@@ -574,6 +574,7 @@ def main() -> None:
     if START_METHOD == "forkserver":
         print("processes started by forkserver: one address layout for all (docs/performance.md)", flush=True)
         mp.set_forkserver_preload(["torch", "torch.distributed.rpc", "zmqautograd.rpc", "zmqautograd.autograd"])
+    print(kind_line(), flush=True)
     print(speed_line("before"), flush=True)
     shared = _queue()
     _start(run, (_free_port(), _free_port(), args.rounds, shared), WORLD)

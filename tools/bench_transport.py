@@ -38,7 +38,7 @@ import zmq  # noqa: E402
 from transport import Message, MessageType  # noqa: E402
 from transport.endpoint import Endpoint, EndpointOptions  # noqa: E402
 from transport.tensors import as_buffer  # noqa: E402
-from tools.machine import StealMeter, speed_line  # noqa: E402
+from tools.machine import StealMeter, kind_line, speed_line  # noqa: E402
 
 SIZES_MB = (1, 16, 64)
 
@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15, help="alternating rounds per size")
     parser.add_argument("--small-per-round", type=int, default=300)
     args = parser.parse_args()
+    print(kind_line(), flush=True)
     print(speed_line("before"), flush=True)
     clients = {
         "raw": RawClient(),

@@ -13,7 +13,9 @@ and changed within a session (docs/performance.md): the benchmarks also print th
 plain Python loop before and after they measure, the yardstick the notes compare VMs by (it
 does not catch every slow phase), and the time a blocking wake-up round trip between two
 processes takes (``wake_round_trip``): where the hypervisor makes waking a sleeping CPU dear,
-frameworks whose threads block to wait pay it on every message.
+frameworks whose threads block to wait pay it on every message. First of all they print
+which kind of machine it is (``kind_line``): TensorPipe's figures moved 2x between kinds
+whose Python ran alike.
 """
 
 from __future__ import annotations
@@ -105,6 +107,57 @@ def wake_round_trip(rounds: int = 1000) -> float | None:
         os.close(from_parent)  # the child, if still reading (we were interrupted), stops
         os.waitpid(child, 0)
         os.close(to_parent)
+
+
+def _cpu_model(cpuinfo: str) -> str:
+    """The CPU model that /proc/cpuinfo's text names first (x86's ``model name``; other
+    architectures' ``Model`` or ``cpu model``)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model", "cpu model"):
+            return " ".join(value.split())
+    return "unknown CPU"
+
+
+def _hypervisor(cpuinfo: str, dmesg_vendor: str | None) -> str:
+    """Whether the CPU says it runs under a hypervisor (x86's ``hypervisor`` flag), and which
+    one where the kernel said (``dmesg_vendor``)."""
+    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    if " hypervisor" not in flags + " ":
+        return "no hypervisor flag"
+    return f"a {dmesg_vendor} guest" if dmesg_vendor else "a guest VM"
+
+
+def _dmesg_hypervisor() -> str | None:
+    try:
+        with open("/sys/hypervisor/type") as kind:  # Xen
+            return kind.read().strip() or None
+    except OSError:
+        pass
+    try:
+        import subprocess
+
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in log.splitlines():
+        if "Hypervisor detected:" in line:
+            return line.split("Hypervisor detected:", 1)[1].strip() or None
+    return None
+
+
+def kind_line() -> str:
+    """Which machine a run was on, as the benchmarks print it first: CPUs this process may
+    use, their model, the hypervisor, the kernel (figures of different kinds of machine
+    differ by more than most changes do: docs/performance.md, "bc48d0f..")."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpuinfo = info.read()
+    except OSError:
+        cpuinfo = ""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"machine: {cpus} CPU(s), {_cpu_model(cpuinfo)}, {_hypervisor(cpuinfo, _dmesg_hypervisor())}, "
+            f"{os.uname().sysname} {os.uname().release}")
 
 
 def speed_line(when: str) -> str:

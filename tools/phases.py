@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from tools import ports  # noqa: E402
+from tools.machine import kind_line  # noqa: E402
 from tools.bench import WIDTH, _join_alone, stage  # noqa: E402
 
 FRAMEWORKS = {"tp": "TensorPipe", "zmq": "zmqautograd"}
@@ -136,6 +137,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--launches", type=int, default=2, help="launches of each framework, alternating")
     args = parser.parse_args()
+    print(kind_line(), flush=True)
     found = measure(args.kind, args.steps, args.launches)
     print(f"medians over {args.steps} steps, median of {args.launches} launch(es) each, each framework alone, "
           f"torch.set_num_threads(1), spawn", flush=True)
