@@ -254,5 +254,6 @@ def test_kind_line_names_the_cpu_and_the_hypervisor():
     assert machine._hypervisor(cpuinfo, "KVM") == "a KVM guest"
     assert machine._hypervisor(cpuinfo, None) == "a guest VM"
     assert machine._hypervisor(cpuinfo.replace(" hypervisor", ""), "KVM") == "no hypervisor flag"
+    assert machine._hypervisor(cpuinfo.replace(" hypervisor", " hypervisor_x"), "KVM") == "no hypervisor flag"
     line = machine.kind_line()
     assert line.startswith("machine: ") and " CPU(s), " in line and os.uname().release in line

@@ -21,6 +21,7 @@ whose Python ran alike.
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 
@@ -123,20 +124,20 @@ def _hypervisor(cpuinfo: str, dmesg_vendor: str | None) -> str:
     """Whether the CPU says it runs under a hypervisor (x86's ``hypervisor`` flag), and which
     one where the kernel said (``dmesg_vendor``)."""
     flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    if " hypervisor" not in flags + " ":
+    if "hypervisor" not in flags.partition(":")[2].split():
         return "no hypervisor flag"
     return f"a {dmesg_vendor} guest" if dmesg_vendor else "a guest VM"
 
 
-def _dmesg_hypervisor() -> str | None:
+def _hypervisor_vendor() -> str | None:
+    """The hypervisor's name as the kernel gives it (Xen's sysfs file, or the line of its log
+    that says which it detected); None where it does not say."""
     try:
         with open("/sys/hypervisor/type") as kind:  # Xen
             return kind.read().strip() or None
     except OSError:
         pass
     try:
-        import subprocess
-
         log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -156,8 +157,9 @@ def kind_line() -> str:
     except OSError:
         cpuinfo = ""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"machine: {cpus} CPU(s), {_cpu_model(cpuinfo)}, {_hypervisor(cpuinfo, _dmesg_hypervisor())}, "
-            f"{os.uname().sysname} {os.uname().release}")
+    system = os.uname()
+    return (f"machine: {cpus} CPU(s), {_cpu_model(cpuinfo)}, {_hypervisor(cpuinfo, _hypervisor_vendor())}, "
+            f"{system.sysname} {system.release}")
 
 
 def speed_line(when: str) -> str:

@@ -31,67 +31,62 @@ from tools import ports  # noqa: E402
 from tools.machine import kind_line  # noqa: E402
 from tools.bench import WIDTH, _join_alone, stage  # noqa: E402
 
-FRAMEWORKS = {"tp": "TensorPipe", "zmq": "zmqautograd"}
+FRAMEWORKS = {"tp": "TensorPipe", "zmq": "zmqautograd"}  # key -> the table's heading
 STAGES = ("worker1", "worker2", "worker3")
+HOP_PHASES = ["enter", "rpc_sync", "loss", "backward", "get_gradients", "exit"]
+PIPELINE_PHASES = ["enter", "stage 0 (local)"] + [f"rpc_sync to {w}" for w in STAGES] + ["loss", "backward", "exit"]
 
 
-def hop_phases() -> tuple[list[str], object]:
-    """The one-hop step of the bench, cut at each phase boundary."""
-    names = ["enter", "rpc_sync", "loss", "backward", "get_gradients", "exit"]
-
-    def step(rpc, autograd, x, clock) -> list[float]:
-        marks = [clock()]
-        with autograd.context() as context_id:
-            marks.append(clock())
-            y = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))
-            marks.append(clock())
-            loss = y.sum()
-            marks.append(clock())
-            autograd.backward(context_id, [loss])
-            marks.append(clock())
-            grad = autograd.get_gradients(context_id)[x]
-            marks.append(clock())
+def hop_step(rpc, autograd, x, clock) -> list[float]:
+    """The one-hop step of the bench, with a mark at each boundary of HOP_PHASES."""
+    marks = [clock()]
+    with autograd.context() as context_id:
         marks.append(clock())
-        if grad[0] != 2:
-            raise AssertionError(f"one hop: gradient {grad} instead of 2")
-        return marks
-
-    return names, step
-
-
-def pipeline_phases() -> tuple[list[str], object]:
-    """The 4-stage pipeline step of the bench, cut at each phase boundary."""
-    names = ["enter", "stage 0 (local)"] + [f"rpc_sync to {w}" for w in STAGES] + ["loss", "backward", "exit"]
-
-    def step(rpc, autograd, x, clock) -> list[float]:
-        marks = [clock()]
-        with autograd.context() as context_id:
-            marks.append(clock())
-            h = stage(x)
-            marks.append(clock())
-            for worker in STAGES:
-                h = rpc.rpc_sync(worker, stage, args=(h,))
-                marks.append(clock())
-            loss = h.sum()
-            marks.append(clock())
-            autograd.backward(context_id, [loss])
-            marks.append(clock())
+        y = rpc.rpc_sync("worker1", torch.mul, args=(x, 2))
         marks.append(clock())
-        return marks
+        loss = y.sum()
+        marks.append(clock())
+        autograd.backward(context_id, [loss])
+        marks.append(clock())
+        grad = autograd.get_gradients(context_id)[x]
+        marks.append(clock())
+    marks.append(clock())
+    if grad[0] != 2:
+        raise AssertionError(f"one hop: gradient {grad} instead of 2")
+    return marks
 
-    return names, step
+
+def pipeline_step(rpc, autograd, x, clock) -> list[float]:
+    """The 4-stage pipeline step of the bench, with a mark at each boundary of PIPELINE_PHASES."""
+    marks = [clock()]
+    with autograd.context() as context_id:
+        marks.append(clock())
+        h = stage(x)
+        marks.append(clock())
+        for worker in STAGES:
+            h = rpc.rpc_sync(worker, stage, args=(h,))
+            marks.append(clock())
+        loss = h.sum()
+        marks.append(clock())
+        autograd.backward(context_id, [loss])
+        marks.append(clock())
+    marks.append(clock())
+    return marks
 
 
-KINDS = {"hop": (2, hop_phases), "pipe": (4, pipeline_phases)}
+# kind -> (processes, phase names, the step, its input, as the bench's)
+KINDS = {
+    "hop": (2, HOP_PHASES, hop_step, lambda: torch.ones(2, requires_grad=True)),
+    "pipe": (4, PIPELINE_PHASES, pipeline_step, lambda: torch.randn(32, WIDTH, requires_grad=True)),
+}
 
 
 def _run(rank: int, framework: str, kind: str, port: int, steps: int, results) -> None:
     torch.set_num_threads(1)
-    world, phases = KINDS[kind]
+    world, names, step, make_input = KINDS[kind]
     rpc, autograd = _join_alone(rank, world, framework, 0.0, port)
     if rank == 0:
-        names, step = phases()
-        x = torch.ones(2, requires_grad=True) if kind == "hop" else torch.randn(32, WIDTH, requires_grad=True)
+        x = make_input()
         clock = time.perf_counter
         for _ in range(max(10, steps // 10)):  # warm-up
             step(rpc, autograd, x, clock)
@@ -107,7 +102,7 @@ def _run(rank: int, framework: str, kind: str, port: int, steps: int, results) -
 
 def measure(kind: str, steps: int, launches: int) -> dict[str, list[list[float]]]:
     """Per framework, one list of phase medians (us; the last: the whole step) per launch."""
-    world, _ = KINDS[kind]
+    world = KINDS[kind][0]
     context = mp.get_context("spawn")
     found: dict[str, list[list[float]]] = {framework: [] for framework in FRAMEWORKS}
     for _ in range(launches):
@@ -121,8 +116,8 @@ def measure(kind: str, steps: int, launches: int) -> dict[str, list[list[float]]
 
 def table(kind: str, found: dict[str, list[list[float]]]) -> list[str]:
     """The printed table: each phase's median over launches per framework, and the ratio."""
-    names = KINDS[kind][1]()[0] + ["whole step"]
-    lines = [f"{'phase (' + kind + ')':<24}{'TensorPipe':>12}{'zmqautograd':>13}{'ratio':>8}"]
+    names = KINDS[kind][1] + ["whole step"]
+    lines = [f"{'phase (' + kind + ')':<24}{FRAMEWORKS['tp']:>12}{FRAMEWORKS['zmq']:>13}{'ratio':>8}"]
     for index, name in enumerate(names):
         tp = statistics.median(launch[index] for launch in found["tp"])
         ours = statistics.median(launch[index] for launch in found["zmq"])
