@@ -226,23 +226,35 @@ def test_phases_table_takes_each_phase_median_over_launches():
     assert rows["whole step"][4] == "1.31x"  # 670 / 511
 
 
+def test_phases_table_shows_a_framework_not_measured_as_a_dash():
+    """tools/phases.py's table with ours alone (--frameworks zmq): TensorPipe's column and the
+    ratios are "-", ours keeps its figures."""
+    from tools import phases
+
+    lines = phases.table("hop", {"zmq": [[1, 50, 2, 600, 3, 4, 660]]})
+    rows = {line[:24].strip(): line[24:].split() for line in lines[1:]}
+    assert rows["backward"] == ["-", "600.0", "us", "-"]
+    assert rows["whole step"] == ["-", "660.0", "us", "-"]
+
+
 @pytest.mark.timeout(180)
-def test_phases_runs_the_one_hop_step_of_both_frameworks():
-    """tools/phases.py end to end, briefly: both frameworks' groups run the one-hop step
-    (which checks its gradient) and every phase gets a figure."""
+def test_phases_runs_the_one_hop_step():
+    """tools/phases.py end to end, briefly, with ours alone (TensorPipe's init_rpc needs numpy,
+    which the test extras do not install): its group runs the one-hop step (which checks its
+    gradient) and every phase gets a figure."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, os.path.join(root, "tools", "phases.py"), "hop", "--steps", "20",
-                           "--launches", "1"], capture_output=True, text=True, timeout=170)
+                           "--launches", "1", "--frameworks", "zmq"], capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line for line in done.stdout.splitlines() if line.endswith("x")]
-    assert [row[:24].strip() for row in rows] == ["enter", "rpc_sync", "loss", "backward", "get_gradients", "exit",
-                                                  "whole step"], done.stdout
+    expected = ["enter", "rpc_sync", "loss", "backward", "get_gradients", "exit", "whole step"]
+    rows = [line for line in done.stdout.splitlines() if line[:24].strip() in expected]
+    assert [row[:24].strip() for row in rows] == expected, done.stdout
     for row in rows:
-        tp, _, ours, _, ratio = row[24:].split()
-        assert float(tp.replace(",", "")) > 0 and float(ours.replace(",", "")) > 0 and ratio.endswith("x")
+        tp, ours, unit, ratio = row[24:].split()
+        assert tp == "-" and ratio == "-" and unit == "us" and float(ours.replace(",", "")) > 0, row
 
 
 def test_kind_line_names_the_cpu_and_the_hypervisor():

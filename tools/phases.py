@@ -9,7 +9,10 @@ TensorPipe, ...); a phase's figure is the median over its steps, and the table g
 median over launches and the ratio zmqautograd / TensorPipe. It answers "which half of the
 step is behind" (e.g. the forward's calls or the backward's messages) before any tracing.
 
-    python tools/phases.py hop|pipe [--steps 1000] [--launches 2]
+    python tools/phases.py hop|pipe [--steps 1000] [--launches 2] [--frameworks tp,zmq]
+
+``--frameworks zmq`` measures ours alone (TensorPipe's ``init_rpc`` needs numpy, which only
+the benchmark's extras install): its column and the ratios then show "-".
 """
 
 from __future__ import annotations
@@ -100,13 +103,13 @@ def _run(rank: int, framework: str, kind: str, port: int, steps: int, results) -
     rpc.shutdown()
 
 
-def measure(kind: str, steps: int, launches: int) -> dict[str, list[list[float]]]:
-    """Per framework, one list of phase medians (us; the last: the whole step) per launch."""
+def measure(kind: str, steps: int, launches: int, frameworks: tuple = tuple(FRAMEWORKS)) -> dict[str, list[list[float]]]:
+    """Per framework measured, one list of phase medians (us; the last: the whole step) per launch."""
     world = KINDS[kind][0]
     context = mp.get_context("spawn")
-    found: dict[str, list[list[float]]] = {framework: [] for framework in FRAMEWORKS}
+    found: dict[str, list[list[float]]] = {framework: [] for framework in frameworks}
     for _ in range(launches):
-        for framework in FRAMEWORKS:
+        for framework in frameworks:
             results = context.SimpleQueue()
             mp.start_processes(_run, args=(framework, kind, ports.free_port(), steps, results), nprocs=world,
                                start_method="spawn")
@@ -115,14 +118,22 @@ def measure(kind: str, steps: int, launches: int) -> dict[str, list[list[float]]
 
 
 def table(kind: str, found: dict[str, list[list[float]]]) -> list[str]:
-    """The printed table: each phase's median over launches per framework, and the ratio."""
+    """The printed table: each phase's median over launches per framework ("-" for one not
+    measured), and the ratio."""
     names = KINDS[kind][1] + ["whole step"]
     lines = [f"{'phase (' + kind + ')':<24}{FRAMEWORKS['tp']:>12}{FRAMEWORKS['zmq']:>13}{'ratio':>8}"]
+
+    def median(framework: str, index: int) -> float | None:
+        launches = found.get(framework)
+        return statistics.median(launch[index] for launch in launches) if launches else None
+
+    def cell(value: float | None, width: int) -> str:
+        return f"{value:>{width},.1f} us" if value is not None else f"{'-':>{width + 3}}"
+
     for index, name in enumerate(names):
-        tp = statistics.median(launch[index] for launch in found["tp"])
-        ours = statistics.median(launch[index] for launch in found["zmq"])
-        ratio = f"{ours / tp:.2f}x" if tp > 0 else "-"
-        lines.append(f"{name:<24}{tp:>9,.1f} us{ours:>10,.1f} us{ratio:>8}")
+        tp, ours = median("tp", index), median("zmq", index)
+        ratio = f"{ours / tp:.2f}x" if tp and ours is not None else "-"
+        lines.append(f"{name:<24}{cell(tp, 9)}{cell(ours, 10)}{ratio:>8}")
     return lines
 
 
@@ -131,9 +142,13 @@ def main() -> None:
     parser.add_argument("kind", choices=sorted(KINDS))
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--launches", type=int, default=2, help="launches of each framework, alternating")
+    parser.add_argument("--frameworks", default="tp,zmq", help="which to measure, of tp and zmq (comma-separated)")
     args = parser.parse_args()
+    frameworks = tuple(name for name in args.frameworks.split(",") if name)
+    if not frameworks or not set(frameworks) <= set(FRAMEWORKS):
+        parser.error(f"--frameworks takes a comma-separated choice of {', '.join(FRAMEWORKS)}")
     print(kind_line(), flush=True)
-    found = measure(args.kind, args.steps, args.launches)
+    found = measure(args.kind, args.steps, args.launches, frameworks)
     print(f"medians over {args.steps} steps, median of {args.launches} launch(es) each, each framework alone, "
           f"torch.set_num_threads(1), spawn", flush=True)
     for line in table(args.kind, found):
