@@ -9,6 +9,7 @@ waited by polling with ``sleep`` wait on conditions; TorchScript RRef helpers ar
 """
 
 # ruff: noqa
+import dataclasses
 import random
 import sys
 import threading
@@ -2565,8 +2566,12 @@ class _DeviceMapCases(SpmdCase):
 
     def _gpu(self, rank):
         raise NotImplementedError
+
+    def _options(self):
+        return self.rpc_backend_options
+
     def _device_maps_backward_pass(self):
-        options = self.rpc_backend_options
+        options = self._options()
         dst = worker_name((self.rank + 1) % self.world_size)
 
         # The reverse of this device mapping should be used for the backward pass.
@@ -2607,7 +2612,7 @@ class _DeviceMapCases(SpmdCase):
             return self.next_stage.rpc_sync().forward(input)
 
     def _dist_autograd_sync_streams(self):
-        options = self.rpc_backend_options
+        options = self._options()
         dst = worker_name((self.rank + 1) % self.world_size)
 
         # The reverse of this device mapping should be used for the backward pass.
@@ -2644,7 +2649,7 @@ class _DeviceMapCases(SpmdCase):
         rpc.shutdown()
 
     def _gradients_synchronizations(self):
-        options = self.rpc_backend_options
+        options = self._options()
         for peer_rank in range(self.world_size):
             options.set_device_map(worker_name(peer_rank), {self._gpu(self.rank): self._gpu(peer_rank)})
 
@@ -2733,5 +2738,32 @@ class OneGpuDistAutogradTest(_DeviceMapCases):
     @own_rpc
     @requires_gpus(1)
     def test_gradients_synchronizations_on_one_gpu(self):
+        self._gradients_synchronizations()
+
+
+class OneGpuCudaIpcDistAutogradTest(_DeviceMapCases):
+    """OneGpuDistAutogradTest's cases with ``cuda_ipc=True``: the workers share one host, so
+    CUDA tensors go by CUDA IPC handles instead of pinned staging; the streams test sends
+    answers concurrently, which once crashed a worker inside torch's ``_share_cuda_``."""
+
+    def _gpu(self, rank):
+        return 0
+
+    def _options(self):
+        return dataclasses.replace(self.rpc_backend_options, cuda_ipc=True)
+
+    @own_rpc
+    @requires_gpus(1)
+    def test_device_maps_backward_pass_on_one_gpu_cuda_ipc(self):
+        self._device_maps_backward_pass()
+
+    @own_rpc
+    @requires_gpus(1)
+    def test_dist_autograd_sync_streams_on_one_gpu_cuda_ipc(self):
+        self._dist_autograd_sync_streams()
+
+    @own_rpc
+    @requires_gpus(1)
+    def test_gradients_synchronizations_on_one_gpu_cuda_ipc(self):
         self._gradients_synchronizations()
 

@@ -10,7 +10,7 @@ from .spmd import group_fixture, make_tests
 OPTIONS = {"num_worker_threads": 8, "rpc_timeout": 60, "peer_timeout": 5}
 CLASSES = [
     "DistAutogradTest", "TensorPipeAgentDistAutogradTest", "CudaDistAutogradTest", "TensorPipeCudaDistAutogradTest",
-    "OneGpuDistAutogradTest", "OwnRpcDistAutogradTest",
+    "OneGpuDistAutogradTest", "OneGpuCudaIpcDistAutogradTest", "OwnRpcDistAutogradTest",
 ]
 
 pytestmark = pytest.mark.timeout(300)
