@@ -81,6 +81,8 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
             outcome = ("ok", None) if exc.code in (0, None) else ("error", traceback.format_exc())
         except BaseException:  # noqa: BLE001
             outcome = ("error", traceback.format_exc())
+        if outcome[0] == "error" and not setup_rpc and not destructive:
+            _shut_down_what_the_test_left_up(rpc)
         if destructive:  # torch's dist_init(clean_shutdown=False): leave without shutdown
             faulthandler.cancel_dump_traceback_later()
             conn.send(outcome)
@@ -104,6 +106,20 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
         rpc.shutdown()
     dist.destroy_process_group()
     del dist_autograd
+
+
+def _shut_down_what_the_test_left_up(rpc: Any) -> None:
+    """A test that starts RPC itself and fails before its ``rpc.shutdown()`` would leave the
+    other ranks in theirs, waiting at the shutdown barrier for this one until the harness
+    gives up on the test (minutes, and the failure's message only then): join them there."""
+    try:
+        rpc.api._current()
+    except RuntimeError:
+        return  # not started, or shut down already
+    try:
+        rpc.shutdown(timeout=30)
+    except RuntimeError:
+        pass  # the test's own error is the one to report
 
 
 class _PortTaken(RuntimeError):

@@ -46,11 +46,38 @@ class _FakeCudaTensor:
     def untyped_storage(self):
         return self.storage(self)
 
+    def new_empty(self, shape):
+        block = _FakeCudaTensor(self.log, shape, False, self.storage)
+        self.snapshots.append(weakref.ref(block, lambda _: self.log.append(("freed", cuda_ipc._share_lock.locked()))))
+        return block
+
 
 @pytest.fixture(autouse=True)
 def _gpu_uuids(monkeypatch):
-    """No GPU here: the sender's GPU is named by a made-up UUID."""
+    """No GPU here: the sender's GPU is named by a made-up UUID; torch's limbo has its anchor
+    already (the test of the anchor takes it away)."""
     monkeypatch.setattr(cuda_ipc, "_device_uuid", lambda index: f"GPU-{index}")
+    monkeypatch.setattr(cuda_ipc, "_limbo_anchor", (b"/torch_anchor", 0))
+
+
+def test_the_first_share_leaves_a_block_in_torchs_limbo_for_the_process_life(monkeypatch):
+    """torch's CudaIPCCollect, run by any thread's allocation, drops the file of counters that
+    a share on another thread is using, but only while its limbo is empty: the first share
+    puts a block there that no receiver opens (its counter stays 1), under the lock, and
+    gives its counter back at exit."""
+    monkeypatch.setattr(cuda_ipc, "_limbo_anchor", None)
+    at_exit, released = [], []
+    monkeypatch.setattr(cuda_ipc.atexit, "register", at_exit.append)
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
+                        lambda handle, offset: released.append((handle, offset)), raising=False)
+    log = []
+    for _ in range(2):
+        assert cuda_ipc.share(_FakeCudaTensor(log), "float32", "cuda:0")[0] == "cuda_ipc"
+    # The anchor's share and free, then each snapshot's: all under the lock, the anchor once.
+    assert log == [("share", True), ("freed", True)] * 3
+    assert cuda_ipc._limbo_anchor == (b"/torch_counters", 3) and at_exit == [cuda_ipc._release_limbo_anchor]
+    at_exit[0]()
+    assert released == [(b"/torch_counters", 3)] and cuda_ipc._limbo_anchor is None
 
 
 def test_a_shared_snapshot_makes_a_descriptor_the_receiver_accepts_and_is_freed_under_the_lock():

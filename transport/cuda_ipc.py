@@ -30,6 +30,7 @@ handle on its own index of that GPU.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Any
 
@@ -44,6 +45,22 @@ CUDA_IPC = "cuda_ipc"
 # H100, torch 2.11). Sharing, and freeing what was shared, happen under this lock.
 _share_lock = threading.Lock()
 
+# The lock cannot cover the other thread that touches that bookkeeping: any thread whose CUDA
+# allocation finds no cached block runs the allocator's free-memory callbacks, torch's
+# CudaIPCCollect among them, and that one drops the current file of counters when its "limbo"
+# (shared blocks freed by the sender but still open on a receiver) is empty and no counter of
+# the file is in use, while ``_share_cuda_`` on another thread may be using the file between
+# taking it under torch's mutex and counting its offset as used (torch/csrc/CudaIPCTypes.cpp,
+# GetNewRefCountedSentData): a null dereference. It crashed a worker of
+# test_dist_autograd_sync_streams_on_one_gpu_cuda_ipc (H200, torch 2.11; main thread
+# allocating, a pool thread sharing an answer). So the limbo is never empty: before the first
+# share, a one-element block is shared and dropped, and as no receiver ever opens it, its
+# counter stays 1 and it stays in the limbo. Its counter is released at exit, which lets
+# torch free it and keeps its "terminated before all shared CUDA tensors released" warning
+# away. Left: torch counts a file's offsets in use without atomics (a share on one thread, a
+# block freed on another), a race we cannot reach from here.
+_limbo_anchor: tuple | None = None
+
 
 def share(data: torch.Tensor, name: str, device: str) -> list | None:
     """The descriptor of CUDA tensor ``data`` (dtype ``name``) for a receiver in another
@@ -52,6 +69,8 @@ def share(data: torch.Tensor, name: str, device: str) -> list | None:
     snapshot = data.detach().clone(memory_format=torch.contiguous_format)
     shape = list(snapshot.shape)
     with _share_lock:
+        if _limbo_anchor is None:
+            _anchor_the_limbo(snapshot)
         try:
             shared = snapshot.untyped_storage()._share_cuda_()
         except (RuntimeError, AttributeError):
@@ -62,6 +81,33 @@ def share(data: torch.Tensor, name: str, device: str) -> list | None:
     return [CUDA_IPC, name, shape, device, data.requires_grad,
             [index, handle, storage_bytes, offset_bytes, counter_handle, counter_offset, event_handle, bool(event_sync)],
             _device_uuid(index)]
+
+
+def _anchor_the_limbo(like: torch.Tensor) -> None:
+    """Put a block that no receiver will open into torch's limbo of shared blocks, for the
+    process's life (see ``_limbo_anchor``); the caller holds ``_share_lock``."""
+    global _limbo_anchor
+    block = like.new_empty((1,))
+    try:
+        shared = block.untyped_storage()._share_cuda_()
+    except (RuntimeError, AttributeError):
+        return  # memory torch cannot share: the share that follows fails the same way
+    finally:
+        del block  # freed with its counter at 1: into the limbo
+    _limbo_anchor = (shared[4], shared[5])
+    atexit.register(_release_limbo_anchor)
+
+
+def _release_limbo_anchor() -> None:
+    """At exit: give the anchor's counter back, so that torch frees the block."""
+    global _limbo_anchor
+    if _limbo_anchor is not None:
+        counter_handle, counter_offset = _limbo_anchor
+        _limbo_anchor = None
+        try:
+            torch.UntypedStorage._release_ipc_counter_cuda(counter_handle, counter_offset)
+        except RuntimeError:
+            pass  # torch only warns at exit about what it could not free
 
 
 _uuids: dict[int, str | None] = {}
