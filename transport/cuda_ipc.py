@@ -53,9 +53,12 @@ _share_lock = threading.Lock()
 # taking it under torch's mutex and counting its offset as used (torch/csrc/CudaIPCTypes.cpp,
 # GetNewRefCountedSentData): a null dereference. It crashed a worker of
 # test_dist_autograd_sync_streams_on_one_gpu_cuda_ipc (H200, torch 2.11; main thread
-# allocating, a pool thread sharing an answer). So the limbo is never empty: before the first
-# share, a one-element block is shared and dropped, and as no receiver ever opens it, its
-# counter stays 1 and it stays in the limbo. Its counter is released at exit, which lets
+# allocating, a pool thread sharing an answer). So the limbo is never empty: a one-element
+# block is shared and dropped, and as no receiver ever opens it, its counter stays 1 and it
+# stays in the limbo. Its own share is exposed to the same race (the first share of a process
+# makes the file), so it is made while nothing else runs, if the user lets us: ``prepare``, at
+# init_rpc for workers whose device maps send CUDA tensors; else before the first share
+# (there it crashed 5 runs of 5 of that test). Its counter is released at exit, which lets
 # torch free it and keeps its "terminated before all shared CUDA tensors released" warning
 # away. Left: torch counts a file's offsets in use without atomics (a share on one thread, a
 # block freed on another), a race we cannot reach from here.
@@ -81,6 +84,15 @@ def share(data: torch.Tensor, name: str, device: str) -> list | None:
     return [CUDA_IPC, name, shape, device, data.requires_grad,
             [index, handle, storage_bytes, offset_bytes, counter_handle, counter_offset, event_handle, bool(event_sync)],
             _device_uuid(index)]
+
+
+def prepare(device: torch.device) -> None:
+    """Make the block that keeps torch's limbo occupied now (``_limbo_anchor``), on CUDA
+    ``device``: for a process about to share CUDA tensors, while its other threads do not yet
+    allocate CUDA memory. Initializes CUDA. Idempotent."""
+    with _share_lock:
+        if _limbo_anchor is None:
+            _anchor_the_limbo(torch.empty(0, device=device))
 
 
 def _anchor_the_limbo(like: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from transport import (
     DeviceMapError, EndpointClosedError, Envelope, Extension, FaultPolicy, InjectedFaultError, LocalProtocolError, Message, MessageType,
     PeerLostError, TransportError, UnknownPeerError,
 )
+from transport import cuda_ipc
 from transport import faults as transport_faults
 from transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
 from transport.endpoint import Endpoint, EndpointOptions
@@ -346,6 +347,12 @@ class Agent:
             {m.name: [torch.device(d) for d in m.devices.get("devices", [])] for m in members},
         )
         self.placement = DevicePlacement(self.info.name, maps)
+        sending = self.placement.sending_devices()
+        if self.cuda_ipc and sending and torch.cuda.is_available():
+            # Before any of our threads or the user's shares or allocates CUDA memory
+            # (transport/cuda_ipc.py, "_limbo_anchor"). It initializes CUDA, as TensorPipe does
+            # for the devices of its maps.
+            cuda_ipc.prepare(sending[0])
         for member in members:
             if member.rank != self.rank:
                 self.endpoint.add_peer(str(member.rank), member.address)

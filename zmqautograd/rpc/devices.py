@@ -149,6 +149,13 @@ class DevicePlacement:
         # Placements made once per peer and direction: every message asks for one.
         self._placements: dict[tuple[str, str], Placement] = {}
 
+    def sending_devices(self) -> list[torch.device]:
+        """This worker's CUDA devices that tensors may leave from: the sources of its maps and
+        of the inverses of its callers' maps, in order."""
+        devices = [source for mapping in self._request.values() for source in mapping]
+        devices += [source for mapping in self._response.values() for source in mapping]
+        return sorted({device for device in devices if device.type == "cuda"}, key=str)
+
     def request(self, peer: str) -> Placement:
         """For a request to ``peer``: this worker's map to it."""
         return self._cached("Request", peer, self._request)
