@@ -662,6 +662,24 @@ def test_cuda_tensors_stage_through_pinned_buffers_and_land_on_the_mapped_device
     assert pool.allocations == allocations_after_first  # later messages reuse the pinned buffers
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cuda_ipc", [False, True])
+def test_cuda_views_arrive_with_their_layout_and_expanded_ones_send_what_they_repeat(cuda_ipc):
+    """As TensorPipe's do: a computation at the receiver sees the layout it would see at the
+    sender (an expanded gradient that arrived compacted made cuBLAS sum in another order).
+    With ``cuda_ipc``, the expanded tensor still goes staged: the memory it repeats is 4 bytes."""
+    codec = Codec()
+    expanded = torch.ones(1, device="cuda").expand(5000, 2000)  # the gradient of a sum
+    transposed = torch.randn(64, 32, device="cuda").t()
+    frames = codec.encode(Message(MessageType.PYTHON_CALL, 1, "a", [expanded]), cuda_ipc=cuda_ipc)
+    assert sum(memoryview(f).nbytes for f in frames[1:]) == 4
+    got = codec.decode([bytearray(memoryview(f)) for f in frames]).payload[0]
+    assert got.device.type == "cuda" and got.stride() == (0, 0) and torch.equal(got, expanded)
+    frames = codec.encode(Message(MessageType.PYTHON_CALL, 2, "a", [transposed]))  # staged (not to ourselves)
+    got = codec.decode([bytearray(memoryview(f)) for f in frames]).payload[0]
+    assert got.device.type == "cuda" and got.stride() == transposed.stride() and torch.equal(got, transposed)
+
+
 def test_as_buffer_is_zero_copy_and_refuses_what_it_cannot_export():
     from transport.tensors import as_buffer
 

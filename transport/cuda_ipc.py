@@ -40,6 +40,13 @@ from .errors import DeviceMapError, RemoteProtocolError
 
 CUDA_IPC = "cuda_ipc"
 
+# Smaller CUDA tensors go staged even to a peer that could open our memory. Each tensor sent
+# by IPC costs the receiver a handle to open and close and the sender an event: measured on an
+# H200 (tools/bench_cuda.py, torch 2.11), a 4 KiB round trip took 1,282 us by IPC against 787
+# staged, a one-hop forward+backward of 2-element tensors 3,995 against 2,964; staging costs
+# about 270 us more per MiB each way (1 MiB: 1,336 staged, 1,238 by IPC): they cross near 1 MiB.
+MIN_BYTES = 1 << 20
+
 # torch's bookkeeping behind ``_share_cuda_`` (the files of reference counters) is not
 # thread-safe: two pool threads sharing at once crashed a worker (SIGSEGV in ``_share_cuda_``,
 # H100, torch 2.11). Sharing, and freeing what was shared, happen under this lock.

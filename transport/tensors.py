@@ -181,16 +181,25 @@ class TensorEncoder:
         data = tensor
         if name in _COMPLEX_NAMES and (data.is_conj() or data.is_neg()):
             data = data.detach().resolve_conj().resolve_neg()
-        if self._cuda_ipc and data.is_cuda and data.numel():
+        contiguous = data.is_contiguous()
+        expanded = not contiguous and 0 in data.stride() and data.numel() > 1
+        # Small CUDA tensors go staged (cuda_ipc.MIN_BYTES), and so does an expanded one (the
+        # gradient of a sum), as the memory it repeats: a snapshot for CUDA IPC would be the
+        # whole expansion, and arrive contiguous.
+        if self._cuda_ipc and data.is_cuda and data.nbytes >= cuda_ipc.MIN_BYTES and not expanded:
             descriptor = cuda_ipc.share(data, name, self._cuda_target(data.device))
             if descriptor is not None:
                 return descriptor
         shape = list(data.shape)  # the receiver's view; ``data`` becomes the memory that goes
         strides: list[int] | None = None
-        if not data.is_contiguous():
-            if data.is_cpu and _dense_span(data) is not None:
-                strides = list(data.stride())  # sent as it lies in memory, no copy
-            elif data.is_cpu and 0 in data.stride() and data.numel() > 1:
+        if not contiguous:
+            # The receiver rebuilds the same strides over the same memory, on CUDA too (as
+            # TensorPipe does): a computation there sees the layout it would see here. An
+            # expanded gradient that arrived compacted made cuBLAS sum in another order, and
+            # distributed gradients differed from local autograd's in their last bits (H200).
+            if _dense_span(data) is not None:
+                strides = list(data.stride())  # sent as it lies in memory, no copy on CPU
+            elif expanded:
                 data, strides = _unexpanded(data)
             else:
                 # Compacts (only the covered bytes are kept); CUDA tensors are compacted on
@@ -224,7 +233,8 @@ class TensorEncoder:
             return b""
         pool = self._pinned_pool or default_pool()
         block = pool.acquire(nbytes)
-        source = data.reshape(-1).view(torch.uint8)  # contiguous here (see _add_dense)
+        # Its memory as it lies (dense here, maybe permuted: see _add_dense), flat.
+        source = data.as_strided((data.numel(),), (1,)).view(torch.uint8)
         with torch.cuda.device(data.device):
             block.tensor[:nbytes].copy_(source, non_blocking=True)
             event = torch.cuda.Event()
@@ -344,12 +354,14 @@ class TensorDecoder:
             raise RemoteProtocolError(f"frame {index} has {buffer.nbytes} bytes, descriptor says {nbytes}")
         target = _CPU if device == "cpu" and self._device_map is None else resolve_device(device, self._device_map)
         tensor = _tensor_from_buffer(buffer, dtype, itemsize, span)
+        if target.type != "cpu":
+            # The memory first, then the view over it there: ``to`` of a strided view would
+            # compact it (an expanded one to its full size).
+            tensor = tensor.to(target)
         if strides is not None:
             tensor = tensor.as_strided(shape, strides)
         elif len(shape) != 1:
             tensor = tensor.view(shape)
-        if target.type != "cpu":
-            tensor = tensor.to(target)
         if requires_grad:
             tensor.requires_grad_(True)
         return tensor
