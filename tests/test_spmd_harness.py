@@ -10,16 +10,21 @@ from .spmd import SpmdGroup
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_a_hung_and_a_crashed_worker_are_reported_with_their_stacks_in_time():
+def _failed_run(case: str, timeout: float, end: str) -> tuple[str, float]:
+    """Run a case of tests/spmd_harness_cases.py on 4 ranks that must fail: the harness's
+    report, and how long it took to come; ``end``: how the group ends ("kill" or "close")."""
     group = SpmdGroup("tests.spmd_harness_cases", 4, setup_rpc=False)
     try:
         start = time.monotonic()
         with pytest.raises(AssertionError) as failure:
-            group.run("HarnessCases", "test_one_rank_hangs_and_one_crashes", timeout=10)
-        elapsed = time.monotonic() - start
+            group.run("HarnessCases", case, timeout=timeout)
+        return str(failure.value), time.monotonic() - start
     finally:
-        group.kill()
-    report = str(failure.value)
+        getattr(group, end)()
+
+
+def test_a_hung_and_a_crashed_worker_are_reported_with_their_stacks_in_time():
+    report, elapsed = _failed_run("test_one_rank_hangs_and_one_crashes", 10, "kill")
     assert elapsed < 15, elapsed  # one deadline for all ranks, not one per rank
     hung = report[report.index("--- rank 1:"):report.index("--- rank 2:")]
     assert "no answer in time" in hung, hung
@@ -35,15 +40,7 @@ def test_a_hung_and_a_crashed_worker_are_reported_with_their_stacks_in_time():
 def test_a_test_that_fails_before_its_own_rpc_shutdown_releases_the_other_ranks_at_once():
     """Tests that start RPC themselves: the harness shuts a failed rank's RPC down, so that the
     others leave the shutdown barrier and the failure is reported at once, not at the timeout."""
-    group = SpmdGroup("tests.spmd_harness_cases", 4, setup_rpc=False)
-    try:
-        start = time.monotonic()
-        with pytest.raises(AssertionError) as failure:
-            group.run("HarnessCases", "test_rank_0_fails_before_its_rpc_shutdown", timeout=60)
-        elapsed = time.monotonic() - start
-        report = str(failure.value)
-        assert "rank 0 failed before its shutdown" in report and "no answer in time" not in report, report
-        assert "--- rank 1:" not in report, report  # the others passed
-        assert elapsed < 30, elapsed
-    finally:
-        group.close()
+    report, elapsed = _failed_run("test_rank_0_fails_before_its_rpc_shutdown", 60, "close")
+    assert "rank 0 failed before its shutdown" in report and "no answer in time" not in report, report
+    assert "--- rank 1:" not in report, report  # the others passed
+    assert elapsed < 30, elapsed
