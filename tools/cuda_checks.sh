@@ -3,9 +3,10 @@
 # time on it: the CUDA tests (device maps, pinned staging, CUDA IPC, the one-GPU device-map
 # cases staged and by IPC, CUDA layouts on the wire), the IPC streams case 3 more times (it
 # crashed a worker inside torch before transport/cuda_ipc.py kept torch's limbo occupied),
-# then tools/bench_cuda.py. Each piece has its own time limit; logs go to OUT_DIR.
+# then tools/bench_cuda.py; with CPU_BENCH=1, tools/bench.py too. Each piece has its own time
+# limit; logs go to OUT_DIR.
 #
-#     bash tools/cuda_checks.sh [OUT_DIR]
+#     [CPU_BENCH=1] bash tools/cuda_checks.sh [OUT_DIR]
 #
 # Uses the python3 that has torch with CUDA (or $PYTHON). Where it lacks pyzmq (the lent machines here),
 # bring the wheel in .whl/ (README, "Tests"); it is installed to /tmp/site.
@@ -40,5 +41,11 @@ done
 
 step "tools/bench_cuda.py"
 timeout 240 "$py" tools/bench_cuda.py --rounds 2 2>&1 | tee "$out/bench_cuda.txt" || status=1
+if [ -n "${CPU_BENCH:-}" ]; then
+    # The CPU benchmark on a machine with many cores (the development machines have 2), where
+    # the 4 processes of a pipeline need not share vCPUs.
+    step "tools/bench.py (CPU_BENCH)"
+    timeout 300 "$py" tools/bench.py --rounds 5 --launches 2 --standalone-rounds 5 2>&1 | tee "$out/bench_cpu.txt" || status=1
+fi
 step "done"
 exit $status
