@@ -83,10 +83,10 @@ def test_requests_follow_the_callers_map_and_responses_its_inverse():
 def test_the_devices_a_worker_sends_from_are_its_maps_sources_and_its_callers_targets():
     """What init_rpc prepares for CUDA IPC (transport/cuda_ipc.py, ``prepare``)."""
     maps = {"w0": {"w1": {cuda("cuda:1"): cuda("cuda:2")}}, "w1": {"w2": {cuda("cuda:0"): cuda("cuda:0")}},
-            "w2": {"w1": {cuda("cuda:3"): cuda("cuda:5")}}}
+            "w2": {"w1": {cuda("cuda:3"): cuda("cuda:5")}}, "w3": {"w1": {cuda("cuda:10"): cuda("cuda:11")}}}
     assert DevicePlacement("w0", maps).sending_devices() == [cuda("cuda:1")]  # requests only: nobody maps to w0
-    assert DevicePlacement("w1", maps).sending_devices() == [cuda("cuda:0"), cuda("cuda:2"), cuda("cuda:5")]
-    assert DevicePlacement("w3", maps).sending_devices() == []  # CPU tensors only
+    assert DevicePlacement("w1", maps).sending_devices() == [cuda("cuda:0"), cuda("cuda:2"), cuda("cuda:5"), cuda("cuda:11")]
+    assert DevicePlacement("w4", maps).sending_devices() == []  # CPU tensors only
 
 
 def _join_with_map(rank, init_method, device_map, results):

@@ -154,7 +154,7 @@ class DevicePlacement:
         of the inverses of its callers' maps, in order."""
         devices = [source for mapping in self._request.values() for source in mapping]
         devices += [source for mapping in self._response.values() for source in mapping]
-        return sorted({device for device in devices if device.type == "cuda"}, key=str)
+        return sorted({device for device in devices if device.type == "cuda"}, key=lambda device: device.index or 0)
 
     def request(self, peer: str) -> Placement:
         """For a request to ``peer``: this worker's map to it."""
