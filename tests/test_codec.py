@@ -662,6 +662,30 @@ def test_cuda_tensors_stage_through_pinned_buffers_and_land_on_the_mapped_device
     assert pool.allocations == allocations_after_first  # later messages reuse the pinned buffers
 
 
+def test_the_memory_staged_from_a_cuda_tensor_is_what_a_cpu_tensor_of_that_layout_sends():
+    """Without a GPU: the staging copy takes ``_memory(data)`` where the CPU path sends the
+    ``nbytes`` at ``data_ptr``; for every layout the encoder sends as it lies (dense
+    permutations, views at an offset, the memory an expansion repeats) they are the same bytes,
+    so the receiver's strides fit CUDA tensors as they fit CPU ones."""
+    from transport.tensors import _dense_span, _memory, _unexpanded
+
+    base = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32)
+    dense = [
+        base.view(6, 20).t(),
+        base.view(2, 3, 4, 5).permute(2, 0, 3, 1),
+        base[20:80].view(3, 20).t(),  # at an offset in its storage
+        base.view(4, 30)[1:2].t(),  # size-1 dims, whatever their strides
+    ]
+    expanded = [base[:5].view(5, 1).expand(5, 7), base.view(6, 20)[:, :1].expand(6, 9).t(), torch.tensor(3.0).expand(4, 4)]
+    for tensor in dense + [_unexpanded(e)[0] for e in expanded]:
+        assert _dense_span(tensor) is not None
+        sent = bytes(_memory(tensor).numpy())
+        assert sent == ctypes.string_at(tensor.data_ptr(), tensor.nbytes)
+        # The receiver: that memory, then the view over it.
+        rebuilt = torch.frombuffer(bytearray(sent), dtype=tensor.dtype).as_strided(tensor.shape, tensor.stride())
+        assert torch.equal(rebuilt, tensor)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("cuda_ipc", [False, True])
 def test_cuda_views_arrive_with_their_layout_and_expanded_ones_send_what_they_repeat(cuda_ipc):

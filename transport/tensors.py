@@ -125,6 +125,12 @@ def _unexpanded(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return repeated, [0 if step == 0 else kept for step, kept in zip(stride, repeated.stride())]
 
 
+def _memory(tensor: torch.Tensor) -> torch.Tensor:
+    """The memory a dense tensor (contiguous, or a permutation of its memory: ``_dense_span``)
+    lies in, as a flat tensor in address order: the bytes that go, whatever the device."""
+    return tensor.as_strided((tensor.numel(),), (1,))
+
+
 class TensorEncoder:
     """Collects the buffers of the tensors of one message, in frame order.
 
@@ -233,8 +239,7 @@ class TensorEncoder:
             return b""
         pool = self._pinned_pool or default_pool()
         block = pool.acquire(nbytes)
-        # Its memory as it lies (dense here, maybe permuted: see _add_dense), flat.
-        source = data.as_strided((data.numel(),), (1,)).view(torch.uint8)
+        source = _memory(data).view(torch.uint8)
         with torch.cuda.device(data.device):
             block.tensor[:nbytes].copy_(source, non_blocking=True)
             event = torch.cuda.Event()
