@@ -686,6 +686,19 @@ def test_the_memory_staged_from_a_cuda_tensor_is_what_a_cpu_tensor_of_that_layou
         assert torch.equal(rebuilt, tensor)
 
 
+def test_a_received_view_is_rebuilt_on_its_target_device_over_the_memory_moved_there(monkeypatch):
+    """Without a GPU, the meta device stands in for the target: the receiver moves the memory
+    and then rebuilds the view (``to`` of an expanded view would make it contiguous, at its
+    full size)."""
+    from transport import tensors
+
+    monkeypatch.setattr(tensors, "resolve_device", lambda source, device_map: torch.device("meta"))
+    sent = [torch.tensor(3.0).expand(500, 200), torch.arange(12.0).view(3, 4).t()]
+    frames = CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", sent))
+    got = Codec(device_map={"cpu": "cpu"}).decode([bytearray(memoryview(f)) for f in frames]).payload
+    assert [(g.device.type, g.shape, g.stride()) for g in got] == [("meta", t.shape, t.stride()) for t in sent]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("cuda_ipc", [False, True])
 def test_cuda_views_arrive_with_their_layout_and_expanded_ones_send_what_they_repeat(cuda_ipc):
