@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import zmqautograd.rpc as rpc
-from transport import DeviceMapError, cuda_ipc
+from transport import DeviceMapError
+from transport.cuda_ipc import MIN_BYTES as CUDA_IPC_MIN_BYTES
 from zmqautograd.rpc.devices import DevicePlacement, to_device_map, validate_device_maps
 
 from .rpc_harness import free_port, spawn_and_collect
@@ -186,8 +187,9 @@ def _ipc_pair(rank, init_method, cuda_ipc, results):
             snapshot = bool(torch.equal(future.wait().cpu(), torch.zeros(1 << 18)))
             # Many at once: the callee's pool threads answer (share CUDA memory) concurrently,
             # which crashed a worker before cuda_ipc.share took a lock (a SIGSEGV in torch).
-            futures = [rpc.rpc_async("w1", _echo, args=(torch.full((cuda_ipc.MIN_BYTES // 4,), float(i), device="cuda:0"),))
-                       for i in range(100)]
+            # (Tensors of cuda_ipc's least size: smaller ones go staged.)
+            futures = [rpc.rpc_async("w1", _echo, args=(torch.full((CUDA_IPC_MIN_BYTES // 4,), float(i), device="cuda:0"),))
+                       for i in range(300)]
             concurrent = all(bool((f.wait() == i).all()) for i, f in enumerate(futures))
             results.put(("sent", same, moved, snapshot and concurrent))
         rpc.shutdown()
