@@ -347,8 +347,8 @@ class Agent:
             {m.name: [torch.device(d) for d in m.devices.get("devices", [])] for m in members},
         )
         self.placement = DevicePlacement(self.info.name, maps)
-        sending = self.placement.sending_devices()
-        if self.cuda_ipc and sending and torch.cuda.is_available():
+        sending = self.placement.sending_devices() if self.cuda_ipc and torch.cuda.is_available() else []
+        if sending:
             # Before any of our threads or the user's shares or allocates CUDA memory
             # (transport/cuda_ipc.py, "_limbo_anchor"). It initializes CUDA, as TensorPipe does
             # for the devices of its maps.
