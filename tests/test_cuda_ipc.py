@@ -39,17 +39,19 @@ class _FakeCudaTensor:
         return self
 
     def clone(self, memory_format=None):
-        snapshot = _FakeCudaTensor(self.log, self.shape, False, self.storage)
-        self.snapshots.append(weakref.ref(snapshot, lambda _: self.log.append(("freed", cuda_ipc._share_lock.locked()))))
-        return snapshot
+        return self._made(self.shape)
+
+    def new_empty(self, shape):
+        return self._made(shape)
+
+    def _made(self, shape):
+        """A new fake CUDA tensor whose freeing is logged, with whether the lock was held."""
+        made = _FakeCudaTensor(self.log, shape, False, self.storage)
+        self.snapshots.append(weakref.ref(made, lambda _: self.log.append(("freed", cuda_ipc._share_lock.locked()))))
+        return made
 
     def untyped_storage(self):
         return self.storage(self)
-
-    def new_empty(self, shape):
-        block = _FakeCudaTensor(self.log, shape, False, self.storage)
-        self.snapshots.append(weakref.ref(block, lambda _: self.log.append(("freed", cuda_ipc._share_lock.locked()))))
-        return block
 
 
 @pytest.fixture(autouse=True)
