@@ -140,7 +140,16 @@ def test_wake_round_trip_measures_and_leaves_nothing_behind():
     assert seconds is not None and 0 < seconds < 0.5
     assert sorted(os.listdir("/proc/self/fd")) == open_before
     assert children() == children_before  # the child was waited for: no zombie left
-    assert "blocking wake-up round trip" in machine.speed_line("now")
+    line = machine.speed_line("now")
+    assert "blocking wake-up round trip" in line and "after 0.5 ms asleep" in line
+
+
+@pytest.mark.timeout(60)
+def test_after_sleep_times_the_same_backward_warm_and_after_a_nap():
+    """The benchmarks' after-sleep yardstick (tools/machine.py): two medians of a small
+    backward, positive and far below the naps between the pieces (the naps are not counted)."""
+    warm, slept = machine.after_sleep(pieces=40, nap=0.01)
+    assert 0 < warm < 0.005 and 0 < slept < 0.005
 
 
 @pytest.mark.timeout(60)

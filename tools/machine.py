@@ -110,6 +110,47 @@ def wake_round_trip(rounds: int = 1000) -> float | None:
         os.close(to_parent)
 
 
+def after_sleep(pieces: int = 300, nap: float = 0.0005) -> tuple[float, float] | None:
+    """Seconds a small backward (a pipeline stage's: ``tanh(x @ w)``, 32x64 by 64x64, through
+    ``torch.autograd.grad``) takes in a loop (warm) and right after this process slept
+    ``nap`` seconds, medians (None without torch). The time spent asleep is not counted.
+
+    Where nothing else keeps the CPU busy, it halts while the process sleeps, and the work
+    after waking runs slower, not only later: on the 2-vCPU KVM guest of docs/performance.md
+    ("3f30019.."), 47-61 us warm against 116-164 us after 0.2 or 2 ms asleep, and 70-94 us
+    when a spinning process kept that CPU busy meanwhile. A framework whose threads block
+    to wait (TensorPipe's) pays that on the work after each wake-up; zmqautograd's waiting
+    threads spin first (``spin``). It is also why a piece measured warm in a loop takes
+    several times as long inside a step (the pipeline's pieces 2-4x)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 64, generator=generator, requires_grad=True)
+    x = torch.randn(32, 64, generator=generator, requires_grad=True)
+    clock = time.perf_counter
+
+    def piece() -> float:
+        out = torch.tanh(x @ weight)
+        grad = torch.ones_like(out)
+        start = clock()
+        torch.autograd.grad([out], [x, weight], [grad])
+        return clock() - start
+
+    def median(values: list) -> float:
+        return sorted(values)[len(values) // 2]
+
+    for _ in range(pieces // 4):
+        piece()
+    warm = [piece() for _ in range(pieces)]
+    slept = []
+    for _ in range(pieces):
+        time.sleep(nap)
+        slept.append(piece())
+    return median(warm), median(slept)
+
+
 def _cpu_model(cpuinfo: str) -> str:
     """The CPU model that /proc/cpuinfo's text names first (x86's ``model name``; other
     architectures' ``Model`` or ``cpu model``)."""
@@ -170,4 +211,7 @@ def speed_line(when: str) -> str:
     rate = python_loop_rate()
     wake = wake_round_trip()
     woken = "" if wake is None else f"; a blocking wake-up round trip {wake * 1e6:,.0f} us"
+    pieces = after_sleep()
+    if pieces is not None:
+        woken += f"; a stage's backward {pieces[0] * 1e6:,.0f} us warm, {pieces[1] * 1e6:,.0f} us after 0.5 ms asleep"
     return f"machine {when}: a Python loop of 1,000 additions {rate:,} times a second{woken}"
