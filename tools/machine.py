@@ -117,11 +117,10 @@ def after_sleep(pieces: int = 300, nap: float = 0.0005) -> tuple[float, float] |
 
     Where nothing else keeps the CPU busy, it halts while the process sleeps, and the work
     after waking runs slower, not only later: on the 2-vCPU KVM guest of docs/performance.md
-    ("3f30019.."), 47-61 us warm against 116-164 us after 0.2 or 2 ms asleep, and 70-94 us
-    when a spinning process kept that CPU busy meanwhile. A framework whose threads block
-    to wait (TensorPipe's) pays that on the work after each wake-up; zmqautograd's waiting
-    threads spin first (``spin``). It is also why a piece measured warm in a loop takes
-    several times as long inside a step (the pipeline's pieces 2-4x)."""
+    ("3f30019.."), 40-61 us warm against 116-164 us after 0.2 or 2 ms asleep, and 70-94 us
+    when a spinning process kept that CPU busy meanwhile. A thread that blocks to wait, on
+    a CPU with nothing else to run, pays this on the work after each wake-up, on top of
+    the wake-up itself; zmqautograd's waiting threads spin first (``spin``)."""
     try:
         import torch
     except ImportError:
