@@ -220,6 +220,11 @@ def test_the_in_launch_ab_runs_both_sides_of_a_switch(switch):
     assert len(line) == 1 and line[0].endswith("of 2 below 1"), done.stdout
 
 
+def _phase_rows(lines: list) -> dict:
+    """tools/phases.py's table rows (after its heading), by phase: the row's other fields."""
+    return {line[:24].strip(): line[24:].split() for line in lines[1:]}
+
+
 def test_phases_table_takes_each_phase_median_over_launches():
     """tools/phases.py's table: per phase, the median over launches of each framework, and
     their ratio (pure: no processes)."""
@@ -229,7 +234,7 @@ def test_phases_table_takes_each_phase_median_over_launches():
              "zmq": [[1, 50, 2, 600, 3, 4, 660], [1, 70, 2, 600, 3, 4, 680], [1, 60, 2, 600, 3, 4, 670]]}
     lines = phases.table("hop", found)
     assert len(lines) == 1 + 7  # the heading, six phases and the whole step
-    rows = {line[:24].strip(): line[24:].split() for line in lines[1:]}
+    rows = _phase_rows(lines)
     assert rows["rpc_sync"] == ["200.0", "us", "60.0", "us", "0.30x"]
     assert rows["backward"] == ["300.0", "us", "600.0", "us", "2.00x"]
     assert rows["whole step"][4] == "1.31x"  # 670 / 511
@@ -240,8 +245,7 @@ def test_phases_table_shows_a_framework_not_measured_as_a_dash():
     ratios are "-", ours keeps its figures."""
     from tools import phases
 
-    lines = phases.table("hop", {"zmq": [[1, 50, 2, 600, 3, 4, 660]]})
-    rows = {line[:24].strip(): line[24:].split() for line in lines[1:]}
+    rows = _phase_rows(phases.table("hop", {"zmq": [[1, 50, 2, 600, 3, 4, 660]]}))
     assert rows["backward"] == ["-", "600.0", "us", "-"]
     assert rows["whole step"] == ["-", "660.0", "us", "-"]
 

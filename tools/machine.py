@@ -21,6 +21,7 @@ whose Python ran alike.
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import time
 
@@ -137,9 +138,6 @@ def after_sleep(pieces: int = 300, nap: float = 0.0005) -> tuple[float, float] |
         torch.autograd.grad([out], [x, weight], [grad])
         return clock() - start
 
-    def median(values: list) -> float:
-        return sorted(values)[len(values) // 2]
-
     for _ in range(pieces // 4):
         piece()
     warm = [piece() for _ in range(pieces)]
@@ -147,7 +145,7 @@ def after_sleep(pieces: int = 300, nap: float = 0.0005) -> tuple[float, float] |
     for _ in range(pieces):
         time.sleep(nap)
         slept.append(piece())
-    return median(warm), median(slept)
+    return statistics.median(warm), statistics.median(slept)
 
 
 def _cpu_model(cpuinfo: str) -> str:
@@ -207,10 +205,11 @@ def speed_line(when: str) -> str:
     "before", "after"), as the benchmarks print them."""
     # The loop first: its second lets processes a benchmark just ended finish exiting, whose
     # work would keep the CPUs awake and the wake-up cheap (17 us once, against 80-160 idle).
-    rate = python_loop_rate()
+    parts = [f"a Python loop of 1,000 additions {python_loop_rate():,} times a second"]
     wake = wake_round_trip()
-    woken = "" if wake is None else f"; a blocking wake-up round trip {wake * 1e6:,.0f} us"
+    if wake is not None:
+        parts.append(f"a blocking wake-up round trip {wake * 1e6:,.0f} us")
     pieces = after_sleep()
     if pieces is not None:
-        woken += f"; a stage's backward {pieces[0] * 1e6:,.0f} us warm, {pieces[1] * 1e6:,.0f} us after 0.5 ms asleep"
-    return f"machine {when}: a Python loop of 1,000 additions {rate:,} times a second{woken}"
+        parts.append(f"a stage's backward {pieces[0] * 1e6:,.0f} us warm, {pieces[1] * 1e6:,.0f} us after 0.5 ms asleep")
+    return f"machine {when}: " + "; ".join(parts)
