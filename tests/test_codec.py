@@ -309,6 +309,13 @@ def test_dense_permutations_keep_their_strides_without_copy():
     assert ctypes.addressof(frames[1]) == base.data_ptr()  # sent from the tensor's own memory
     got = CODEC.decode(frames).payload
     assert torch.equal(got, view) and got.stride() == view.stride()
+    # A size-1 dim of stride 0 (as ``expand`` leaves one) on a dense permutation: no copy either.
+    flat = torch.randn(512, 256)
+    view = flat.t().as_strided((1, 256, 512), (0, 1, 256))
+    frames = CODEC.encode(Message(MessageType.PYTHON_CALL, 1, "a", view))
+    assert ctypes.addressof(frames[1]) == flat.data_ptr() and memoryview(frames[1]).nbytes == flat.nbytes
+    got = CODEC.decode(frames).payload
+    assert torch.equal(got, view) and got.stride() == view.stride()
 
 
 def test_conjugate_and_negative_views_are_resolved():

@@ -119,6 +119,8 @@ def _unexpanded(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     receiver rebuilds the same expanded view over that memory, so ``ones(1).expand(n)``
     sends one element, not n."""
     shape, stride = tensor.shape, tensor.stride()
+    if not any(stride):  # one element repeated (a full sum's gradient, every backward's first)
+        return tensor.as_strided([1] * len(stride), stride), list(stride)
     repeated = tensor.as_strided([1 if step == 0 else size for size, step in zip(shape, stride)], stride)
     if _dense_span(repeated) is None:
         repeated = repeated.detach().contiguous()
@@ -203,10 +205,10 @@ class TensorEncoder:
             # TensorPipe does): a computation there sees the layout it would see here. An
             # expanded gradient that arrived compacted made cuBLAS sum in another order, and
             # distributed gradients differed from local autograd's in their last bits (H200).
-            if _dense_span(data) is not None:
-                strides = list(data.stride())  # sent as it lies in memory, no copy on CPU
-            elif expanded:
+            if expanded:  # (never a dense span: checked first, it skips that walk)
                 data, strides = _unexpanded(data)
+            elif _dense_span(data) is not None:
+                strides = list(data.stride())  # sent as it lies in memory, no copy on CPU
             else:
                 # Compacts (only the covered bytes are kept); CUDA tensors are compacted on
                 # their device, so the staging copy is one flat device-to-host transfer.
