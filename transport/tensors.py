@@ -205,7 +205,9 @@ class TensorEncoder:
             # TensorPipe does): a computation there sees the layout it would see here. An
             # expanded gradient that arrived compacted made cuBLAS sum in another order, and
             # distributed gradients differed from local autograd's in their last bits (H200).
-            if expanded:  # (never a dense span: checked first, it skips that walk)
+            # Expanded first: _unexpanded keeps the layout of any of them (of a dense permutation
+            # with a size-1 dim of stride 0 too), and most never have a dense span to look for.
+            if expanded:
                 data, strides = _unexpanded(data)
             elif _dense_span(data) is not None:
                 strides = list(data.stride())  # sent as it lies in memory, no copy on CPU
