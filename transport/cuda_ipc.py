@@ -79,8 +79,7 @@ def share(data: torch.Tensor, name: str, device: str) -> list | None:
     snapshot = data.detach().clone(memory_format=torch.contiguous_format)
     shape = list(snapshot.shape)
     with _share_lock:
-        if _limbo_anchor is None:
-            _anchor_the_limbo(snapshot)
+        _anchor_the_limbo(snapshot)
         try:
             shared = snapshot.untyped_storage()._share_cuda_()
         except (RuntimeError, AttributeError):
@@ -98,14 +97,16 @@ def prepare(device: torch.device) -> None:
     ``device``: for a process about to share CUDA tensors, while its other threads do not yet
     allocate CUDA memory. Initializes CUDA. Idempotent."""
     with _share_lock:
-        if _limbo_anchor is None:
-            _anchor_the_limbo(torch.empty(0, device=device))
+        _anchor_the_limbo(torch.empty(0, device=device))
 
 
 def _anchor_the_limbo(like: torch.Tensor) -> None:
     """Put a block that no receiver will open into torch's limbo of shared blocks, for the
-    process's life (see ``_limbo_anchor``); the caller holds ``_share_lock``."""
+    process's life (see ``_limbo_anchor``), unless one is there; the caller holds
+    ``_share_lock``."""
     global _limbo_anchor
+    if _limbo_anchor is not None:
+        return
     block = like.new_empty((1,))
     try:
         shared = block.untyped_storage()._share_cuda_()
