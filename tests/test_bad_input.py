@@ -11,10 +11,12 @@ import pytest
 import torch
 import zmq
 
-import zmqautograd.rpc as rpc
 from transport import PROTOCOL_VERSION, Codec, Message, MessageType
+from transport.security import Membership
+from zmqautograd import rpc
 
 from . import bad_input_functions as bf
+from . import security_functions as sf
 from .rpc_harness import Group
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,13 +32,18 @@ def group():
 
 @contextlib.contextmanager
 def _intruder(name: str, codec: Codec):
-    """A raw DEALER connected to worker1 as peer ``name``. It introduces itself properly, so
-    that it gets past HELLO and reaches the RPC layer."""
-    address = rpc.rpc_sync("worker1", bf.address)
+    """A raw DEALER connected to worker1 as peer ``name``, a member: worker1 admitted it (as
+    an embedder would admit an extra peer), so that its messages get past the handshake and
+    HELLO and reach the codec and the RPC layer. Strangers get nowhere (tests/test_security.py)."""
+    address = rpc.rpc_sync("worker1", sf.address)
+    own = Membership.generate(name, rpc.rpc_sync("worker1", sf.mechanism))
+    rpc.rpc_sync("worker1", sf.admit, args=(name, own.own.published()))
+    own.admit("1", rpc.rpc_sync("worker1", sf.credential))
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
     raw.setsockopt(zmq.ROUTING_ID, name.encode())
     raw.setsockopt(zmq.LINGER, 0)
+    own.configure_connect(raw, "1")
     raw.connect(address)
     try:
         raw.send_multipart(codec.encode(Message(MessageType.HELLO, 0, name, {"identity": name})))

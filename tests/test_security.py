@@ -1,18 +1,35 @@
-"""CURVE from a cluster secret: members talk (encrypted); strangers are refused inside the
-handshake, before any of their bytes reach the codec."""
+"""Only members are served: strangers are refused inside the handshake, before any of their
+bytes reach the codec (the transport's shared-secret CURVE, and workers started with
+init_rpc, whose every connection is a member's); answers come only from the callee; the
+store is authenticated with a cluster secret; what members may run can be restricted; and
+the limits on what a peer makes a worker hold are kept before memory is spent."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import zmq
 
-from transport import Message, MessageType
+from transport import Codec, Message, MessageType
 from transport.endpoint import Endpoint, EndpointOptions
-from transport.security import ClusterKeys
+from transport.security import ClusterKeys, Membership
+from zmqautograd import rpc
+from zmqautograd.rpc import rref as rref_module
+from zmqautograd.rpc.errors import RendezvousError
+from zmqautograd.rpc.rendezvous import _open, _seal
+from zmqautograd.rpc.serialization import RpcCodec, encode_function
+
+from . import security_functions as sf
+from . import stranger
+from .rpc_harness import Group, free_port
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "correct horse battery staple"
@@ -109,3 +126,331 @@ def test_a_worker_with_another_secret_cannot_join():
 def test_short_secrets_are_refused():
     with pytest.raises(ValueError, match="at least 16 bytes"):
         ClusterKeys.from_secret("short")
+
+
+# ------------------------------------------------------------------ workers of a group
+# Workers started the documented way (init_rpc), with and without a cluster secret: only the
+# members of the group get anything run, read or released; answers come only from the callee.
+
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("encrypt", [False, True], ids=["authenticated", "encrypted"])
+def test_strangers_on_loopback_get_nothing_run_and_the_group_serves_on(tmp_path, encrypt):
+    """A raw pyzmq stranger reaches worker1's port and tries HELLO + calls by reference
+    (os.system, subprocess.run, builtins.exec), a pickle that runs a command, a remote(),
+    forged answers and errors for ids 1..64, GOODBYE and garbage, under the members' names
+    and its own, with no security, guessed PLAIN credentials and CURVE keys of its own (with
+    the server's real public key, from the store, when encrypted). Nothing comes back,
+    nothing runs, no peer record is made, and the group serves on and shuts down cleanly."""
+    marker = tmp_path / "marker"
+    group = Group(world_size=2, num_worker_threads=4, rpc_timeout=30, encrypt=encrypt)
+    try:
+        address = rpc.rpc_sync("worker1", sf.address)
+        server_key = rpc.rpc_sync("worker1", sf.credential).encode() if encrypt else None
+        before = rpc.rpc_sync("worker1", sf.resources)
+        slow = rpc.rpc_async("worker1", sf.slow, args=(1.0,))  # pending while forged answers fly
+        report = stranger.attack(address, str(marker), server_key=server_key)
+        assert report == {"null": 0, "plain": 0, "curve": 0}, report
+        assert slow.wait() == "real"
+        assert not marker.exists()
+        assert rpc.rpc_sync("worker1", sf.peers) == {"0": "ready"}  # no record of any stranger
+        assert rpc.rpc_sync("worker1", sf.refused_connections) >= 3
+        assert rpc.rpc_sync("worker1", sf.protocol_errors) == 0  # none of their bytes was decoded
+        for i in range(10):
+            assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), i)), torch.full((2,), 1.0 + i))
+        after = rpc.rpc_sync("worker1", sf.resources)
+        assert after["fds"] <= before["fds"] + 4, (before, after)  # their connections are closed
+    finally:
+        group.shutdown()  # graceful on both workers: the strangers changed nothing
+    assert not marker.exists()
+
+
+@pytest.mark.timeout(180)
+def test_many_strangers_cost_a_worker_no_descriptors_or_memory():
+    """300 connections without credentials, in waves: each is refused in the handshake and
+    closed; the worker holds no descriptor, ring or record for any of them."""
+    group = Group(world_size=2, num_worker_threads=4, rpc_timeout=30)
+    try:
+        address = rpc.rpc_sync("worker1", sf.address)
+        before = rpc.rpc_sync("worker1", sf.resources)
+        context = zmq.Context()
+        try:
+            for _ in range(3):
+                sockets = []
+                for i in range(100):
+                    dealer = context.socket(zmq.DEALER)
+                    dealer.setsockopt(zmq.LINGER, 0)
+                    dealer.setsockopt(zmq.ROUTING_ID, f"s{i}".encode())
+                    dealer.plain_username, dealer.plain_password = f"s{i}".encode(), b"x"
+                    dealer.connect(address)
+                    sockets.append(dealer)
+                refused = rpc.rpc_sync("worker1", sf.refused_connections)
+                deadline = time.monotonic() + 20
+                while rpc.rpc_sync("worker1", sf.refused_connections) < refused + 50 and time.monotonic() < deadline:
+                    time.sleep(0.05)  # (polling another process's counter)
+                for dealer in sockets:
+                    dealer.close()
+        finally:
+            context.term()
+        after = rpc.rpc_sync("worker1", sf.resources)
+        assert rpc.rpc_sync("worker1", sf.peers) == {"0": "ready"}
+        assert after["fds"] <= before["fds"] + 8, (before, after)
+        assert after["rss"] - before["rss"] < 32 << 20, (before, after)
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_answers_are_taken_only_from_the_callee():
+    """worker2, a member, sends worker0 answers and errors for call ids 1..300 that worker0
+    never sent it, while worker0 waits on calls to worker1 (async and sync): they return
+    worker1's real answers; each forgery is counted as a protocol error of worker2."""
+    group = Group(world_size=3, num_worker_threads=4, rpc_timeout=30)
+    try:
+        pending = rpc.rpc_async("worker1", sf.slow, args=(1.5,))
+        waited: list = []
+        waiting = threading.Thread(target=lambda: waited.append(rpc.rpc_sync("worker1", sf.slow, args=(1.5,))))
+        waiting.start()
+        rpc.rpc_async("worker2", sf.forge_answers, args=(0, 300))
+        assert pending.wait() == "real"
+        waiting.join(30)
+        assert waited == ["real"]
+        assert sf.misdirected_answers() > 0
+        assert sf.protocol_errors("2") == sf.misdirected_answers()
+        assert sf.protocol_errors("1") == 0
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_a_member_cannot_release_another_members_rref_fork():
+    """The worker a fork delete is for is the connection's, not a rank in its payload: worker2
+    cannot delete worker0's fork on worker1 (it gets an error); worker0's RRef still works."""
+    group = Group(world_size=3, num_worker_threads=4, rpc_timeout=30)
+    try:
+        rref = rpc.remote("worker1", torch.ones, args=(3,))
+        assert torch.equal(rref.to_here(), torch.ones(3))
+        with pytest.raises(RuntimeError, match="held by worker 0"):
+            rpc.rpc_sync("worker2", rpc.rpc_sync, args=(
+                "worker1", rref_module._delete_fork, (list(rref.rref_id), list(rref.fork_id))))
+        assert torch.equal(rref.to_here(), torch.ones(3))
+        del rref
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_allowed_functions_restrict_what_peers_may_run(tmp_path):
+    """With ``allowed_functions`` a worker runs only what is listed (and zmqautograd's own
+    protocol): anything else is refused before it is imported, pickles are refused, RRef
+    proxies reach only public methods; remote(), dist autograd and DistributedOptimizer
+    still work over what is allowed."""
+    import zmqautograd.autograd as dist_autograd
+    from zmqautograd.optim import DistributedOptimizer
+
+    marker = tmp_path / "marker"
+    allowed = ["torch.add", "torch.ones", "torch.optim.SGD", "tests.security_functions.allowed",
+               "tests.security_functions.address", "tests.rpc_functions"]
+    group = Group(world_size=2, num_worker_threads=4, rpc_timeout=30, allowed_functions=allowed)
+    try:
+        assert rpc.rpc_sync("worker1", sf.allowed, args=(1,)) == 2
+        for function, args in ((sf.not_allowed, (1,)), (os.system, (f"touch {marker}",)),
+                               (torch.load, (str(marker),)), (torch.save, (torch.ones(1), str(marker)))):
+            with pytest.raises(RuntimeError, match="allowed_functions"):
+                rpc.rpc_sync("worker1", function, args=args)
+        with pytest.raises(RuntimeError, match="pickle"):
+            rpc.rpc_sync("worker1", sf.allowed, args=(stranger._RunsACommand(f"touch {marker}"),))
+        assert not marker.exists()
+        rref = rpc.remote("worker1", torch.ones, args=(2,), kwargs={"requires_grad": True})
+        with pytest.raises(RuntimeError, match="may not be called by peers"):
+            rref.rpc_sync()._version()
+        assert rref.rpc_sync().sum().item() == 2.0
+        with dist_autograd.context() as context_id:
+            loss = rpc.rpc_sync("worker1", torch.add, args=(rref.to_here(), 1.0)).sum()
+            dist_autograd.backward(context_id, [loss])
+            optimizer = DistributedOptimizer(torch.optim.SGD, [rref], lr=0.5)
+            optimizer.step(context_id)
+        assert torch.equal(rref.to_here(), torch.full((2,), 0.5))
+    finally:
+        group.shutdown()
+
+
+def test_rendezvous_records_are_checked_against_the_cluster_secret():
+    """Signed records open under their key only; a forged, moved or re-signed one is refused
+    with an error that names the key."""
+    secret = b"s" * 32
+    record = json.dumps({"name": "w1", "rank": 1, "address": "tcp://127.0.0.1:1", "world_size": 2})
+    key = "zmqautograd/1/member/1"
+    assert _open(secret, key, _seal(secret, key, record).encode(), 1)["name"] == "w1"
+    for value, where in (
+        (record, key),  # unsigned: a stranger's
+        (_seal(b"x" * 32, key, record), key),  # another secret
+        (_seal(secret, "zmqautograd/1/member/0", record), key),  # moved from another key
+    ):
+        with pytest.raises(RendezvousError, match=f"'{key}' is not signed"):
+            _open(secret, where, value.encode(), 1)
+    with pytest.raises(RendezvousError, match="malformed"):
+        _open(None, key, b"{not json", 1)
+
+
+@pytest.mark.timeout(120)
+def test_a_forged_member_in_the_store_fails_init_with_the_key_named():
+    """A stranger who can reach the store publishes rank 1's record (pointing at itself);
+    with a cluster secret, rank 0 refuses it, names the key, and never connects to it."""
+    port = free_port()
+    forged = threading.Event()
+
+    def publish_a_fake_member():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+                break
+            except RuntimeError:
+                time.sleep(0.05)  # (the store is not up yet)
+        else:
+            return
+        store.set("zmqautograd/1/member/1", json.dumps(
+            {"name": "fake", "rank": 1, "address": "tcp://127.0.0.1:9", "world_size": 2, "devices": {},
+             "credential": "", "mechanism": "curve"}))
+        forged.set()
+
+    thread = threading.Thread(target=publish_a_fake_member, daemon=True)
+    thread.start()
+    with pytest.raises(RendezvousError, match=r"'zmqautograd/\d+/member/1' is not signed"):
+        rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=rpc.ZmqRpcBackendOptions(
+            init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=20, cluster_secret="a cluster secret of 32 bytes!!!!"))
+    assert forged.is_set()
+    thread.join(10)
+
+
+# ------------------------------------------------------------------------- memory limits
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_refused_message_is_freed_at_once():
+    """Messages over the codec's limit (frames each under libzmq's) are refused, and their
+    memory is free at once, not when a full garbage collection finds a cycle: with the
+    collector off, 40 refusals of 3.2 MB leave RSS where one leaves it."""
+    import gc
+
+    from transport import Codec
+
+    server = Endpoint("server", "tcp://127.0.0.1:0", on_message=lambda m: None, codec=Codec(max_message_bytes=1 << 20))
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.ROUTING_ID, b"c")
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(server.address)
+    codec = Codec()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        dealer.send_multipart(codec.encode(Message(MessageType.HELLO, 0, "c", {"identity": "c"})))
+        assert dealer.poll(10_000)
+        dealer.recv_multipart()
+        big = codec.encode(Message(MessageType.PYTHON_CALL, 5, "c", {"x": [torch.zeros(200_000) for _ in range(4)]}))
+
+        def refuse(times: int) -> None:
+            for _ in range(times):
+                dealer.send_multipart(big)
+                assert dealer.poll(10_000)
+                assert b"the limit is 1048576" in dealer.recv_multipart()[0]
+
+        refuse(2)
+        before = _rss()
+        refuse(40)
+        assert _rss() - before < 16 << 20  # (40 x 3.2 MB, were they kept)
+        assert server.stats()["c"].protocol_errors == 42
+    finally:
+        if enabled:
+            gc.enable()
+        dealer.close()
+        context.term()
+        server.close()
+
+
+@contextlib.contextmanager
+def _member(name: str, worker: str = "worker1", rank: str = "1", **socket_options):
+    """A raw DEALER that worker1 admitted as member ``name`` (as an embedder admits an extra
+    peer), past the handshake and HELLO: what a compromised member can do."""
+    own = Membership.generate(name, rpc.rpc_sync(worker, sf.mechanism))
+    rpc.rpc_sync(worker, sf.admit, args=(name, own.own.published()))
+    own.admit(rank, rpc.rpc_sync(worker, sf.credential))
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, name.encode())
+    raw.setsockopt(zmq.LINGER, 0)
+    for option, value in socket_options.items():
+        raw.setsockopt(getattr(zmq, option), value)
+    own.configure_connect(raw, rank)
+    raw.connect(rpc.rpc_sync(worker, sf.address))
+    try:
+        raw.send_multipart(Codec().encode(Message(MessageType.HELLO, 0, name, {"identity": name})))
+        yield raw
+    finally:
+        raw.close()
+        context.term()
+
+
+@pytest.mark.timeout(180)
+def test_limits_hold_before_memory_is_spent():
+    """Against a member: frames over max_message_bytes are refused by libzmq as they arrive
+    (4 x 64 MiB with a 1 MiB limit: the worker's RSS does not move, the sender is dropped);
+    a member that never reads its answers (400 requests for 4 MiB each) is dropped once
+    max_queued_bytes wait for it, and the worker's RSS stays within that bound."""
+    group = Group(world_size=2, num_worker_threads=4, rpc_timeout=30, max_message_bytes=1 << 20,
+                  max_queued_bytes=64 << 20)
+    try:
+        before = rpc.rpc_sync("worker1", sf.resources)
+        with _member("oversize") as raw:
+            frame = bytes(64 << 20)
+            for _ in range(4):
+                try:
+                    raw.send_multipart([frame], flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            _wait_until(lambda: rpc.rpc_sync("worker1", sf.is_lost, args=("oversize",)))
+        after = rpc.rpc_sync("worker1", sf.resources)
+        assert after["rss"] - before["rss"] < 32 << 20, (before, after)
+
+        codec = RpcCodec()
+        with _member("sink", RCVHWM=1, RCVBUF=1 << 16) as raw:
+            for message_id in range(1, 401):  # torch.ones(1 << 20): 4 MiB each
+                raw.send_multipart(codec.encode(Message(MessageType.PYTHON_CALL, message_id, "sink", {
+                    "f": encode_function(torch.ones), "a": [1 << 20], "k": {}})))
+            _wait_until(lambda: rpc.rpc_sync("worker1", sf.is_lost, args=("sink",)))
+            during = rpc.rpc_sync("worker1", sf.resources)
+        assert during["rss"] - before["rss"] < 256 << 20, (before, during)  # (1.6 GiB unbounded)
+        assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)), torch.full((2,), 2.0))
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_one_peer_cannot_starve_the_others():
+    """worker2 queues 60 slow calls on worker1 (2 pool threads); worker0's call, sent after
+    them, runs after at most a few of them (round-robin by peer), not after all 60."""
+    group = Group(world_size=3, num_worker_threads=2, rpc_timeout=60)
+    try:
+        flood = rpc.rpc_async("worker2", rpc.rpc_sync, args=("worker1", sf.counted_slow, (0.1,)))
+        flood.wait()  # warm: the path worker2 -> worker1 exists
+        rpc.rpc_sync("worker2", sf.flood, args=("worker1", 60, 0.1))
+        assert rpc.rpc_sync("worker1", torch.add, args=(1, 1)) == 2
+        started = rpc.rpc_sync("worker1", sf.started)
+        assert started < 30, started  # FIFO: all 61 would have started before it
+        _wait_until(lambda: rpc.rpc_sync("worker1", sf.started) == 61, timeout=60)
+    finally:
+        group.shutdown()
+
+
+def _wait_until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)  # (another process's state: nothing to wait on)

@@ -304,9 +304,10 @@ class Codec:
         for frame in frames:
             total += frame.nbytes if type(frame) is memoryview else len(frame)
         if total > self.max_message_bytes:
-            error = MessageTooLargeError(f"message is {total} bytes, the limit is {self.max_message_bytes}")
-            error.message_id = _peek_message_id(frames[0])  # so the refusal names the message
-            raise error
+            # Made by a helper: an error held in a local of this frame would, through its
+            # traceback, keep this frame and so the refused frames alive until a full garbage
+            # collection.
+            raise _too_large(total, self.max_message_bytes, frames[0])
         raw = _frame_buffer(frames[0])
         try:
             header = msgpack.unpackb(raw, use_list=True, raw=False, strict_map_key=True)
@@ -544,6 +545,12 @@ def _check_sender(sender: Any, error: type[ProtocolError]) -> None:
             raise error(f"sender name longer than {MAX_SENDER_LENGTH} characters")
     else:
         raise error(f"sender must be an int or a str, got {type(sender).__name__}")
+
+
+def _too_large(total: int, limit: int, envelope_frame: Any) -> MessageTooLargeError:
+    error = MessageTooLargeError(f"message is {total} bytes, the limit is {limit}")
+    error.message_id = _peek_message_id(envelope_frame)  # so the refusal names the message
+    return error
 
 
 def _peek_message_id(frame: Any) -> int:

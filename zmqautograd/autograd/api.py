@@ -14,6 +14,7 @@ from transport import MessageType
 from ..rpc import current
 from ..rpc.errors import RpcError
 from ..rpc.futures import Outcome
+from ..rpc.serialization import protocol_function
 from . import cleanup
 from .context import ContextContainer, DistAutogradContext
 from .engine import LOCAL_ROOT, Pass, plan_for, routes_for
@@ -245,6 +246,7 @@ def _fail_if_lost(agent: Any, run: Pass) -> None:
             return
 
 
+@protocol_function
 def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
                       reply_to: int = -1, ticket: int | None = None, routes: list | None = None,
                       sink: int | None = None, delegated: list | None = None) -> Outcome:

@@ -30,6 +30,7 @@ from transport import MessageType, PeerLostError
 
 from .. import timers
 from ..rpc import current
+from ..rpc.serialization import protocol_function
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +129,12 @@ def pass_on(agent: Any, removed: list, from_worker: int) -> None:
         release_everywhere(agent, context, skip=from_worker)
 
 
-def cleanup_contexts(context_ids: list, from_worker: int = -1) -> None:
-    """The receiving end of a cleanup request (CLEANUP_AUTOGRAD_CONTEXT_REQ)."""
-    release_here(current.agent(), context_ids, from_worker)
+@protocol_function
+def cleanup_contexts(context_ids: list) -> None:
+    """The receiving end of a cleanup request (CLEANUP_AUTOGRAD_CONTEXT_REQ), from the worker
+    it came over (current.caller), never one its payload names."""
+    caller = current.caller()
+    release_here(current.agent(), context_ids, -1 if caller is None else caller)
 
 
 def _send_batch(agent: Any, worker: int, context_ids: list) -> None:
@@ -138,7 +142,7 @@ def _send_batch(agent: Any, worker: int, context_ids: list) -> None:
         log.debug("not releasing autograd contexts %s on worker %d: RPC is shut down", context_ids, worker)
         return
     try:
-        sent = agent.call_retrying(worker, cleanup_contexts, (context_ids, agent.rank),
+        sent = agent.call_retrying(worker, cleanup_contexts, (context_ids,),
                                    MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
     except RuntimeError as exc:
         _release_failed(context_ids, worker, exc)

@@ -12,6 +12,7 @@ import torch
 
 from .. import autograd as dist_autograd
 from .. import rpc
+from ..rpc.serialization import protocol_function
 
 
 class _LocalOptimizer:
@@ -34,10 +35,12 @@ class _LocalOptimizer:
             self.optim.step()
 
 
+@protocol_function
 def _new_local_optimizer(optimizer_class: type, param_rrefs: list, args: tuple, kwargs: dict) -> Any:
     return rpc.RRef(_LocalOptimizer(optimizer_class, param_rrefs, *args, **kwargs))
 
 
+@protocol_function
 def _local_optimizer_step(optimizer_rref: Any, autograd_context_id: int) -> None:
     optimizer_rref.local_value().step(autograd_context_id)
 

@@ -8,7 +8,6 @@ futures; the pool runs user functions; the endpoint's I/O thread never runs eith
 from __future__ import annotations
 
 import functools
-import ipaddress
 import itertools
 import logging
 import os
@@ -27,6 +26,7 @@ from transport import (
 from transport import cuda_ipc
 from transport import faults as transport_faults
 from transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
+from transport.security import Membership, secret_bytes
 from transport.endpoint import Endpoint, EndpointOptions
 from transport.tensors import adopt_torch_thread_settings
 from transport.waiter import Waiter
@@ -34,13 +34,15 @@ from transport.waiter import Waiter
 from . import current
 from .functions import check_async_result, is_async_function
 from .futures import Future
-from .errors import RpcError, RpcTimeoutError, SerializationError, as_operator_error, user_error
+from .errors import RendezvousError, RpcError, RpcTimeoutError, SerializationError, as_operator_error, user_error
 from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 from .pool import ElasticPool
 from .rendezvous import Member, Rendezvous, advertise_address
 from .rref import RRef, RRefContext
-from .serialization import RpcCodec, decode_exception, encode_exception, encode_function, resolve_function
+from .serialization import (
+    CallablePolicy, RpcCodec, decode_exception, encode_exception, encode_function, protocol_function, resolve_function,
+)
 from .. import timers
 from ..autograd import cleanup
 from ..autograd import engine as autograd_engine
@@ -275,8 +277,12 @@ class Agent:
         self.default_timeout = options.rpc_timeout
         host = advertise_address(rendezvous.master_addr, options.advertise_address)
         secret = options.cluster_secret or os.environ.get(SECRET_VARIABLE) or None
-        self.codec = _make_codec(options.allow_pickle, bool(secret), host)
+        self._secret = secret_bytes(secret) if secret else None
+        # Every connection is a member's, proven in the handshake (transport/security.py).
+        self.membership = Membership.generate(self._me, "curve" if options.encrypt else "plain", self._secret)
+        self.codec = _make_codec(options.allow_pickle, CallablePolicy(options.allowed_functions))
         self.codec.max_message_bytes = options.max_message_bytes
+        self.misdirected_answers = 0  # answers from a peer other than the one asked (dropped)
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}", init_thread=adopt_torch_thread_settings)
         self.rrefs = RRefContext(self)
         self.autograd = ContextContainer(self.rank)  # distributed autograd contexts
@@ -292,18 +298,19 @@ class Agent:
                 heartbeat_interval=options.heartbeat_interval,
                 peer_timeout=options.peer_timeout,
                 connect_timeout=rendezvous.timeout,
-                cluster_secret=secret,
                 busy_poll=options.busy_poll,
                 lend_min=options.lend_min,
                 lend_cache=options.lend_cache,
                 shm_ring=options.shm_ring,
                 spin=options.spin,
+                max_queued_bytes=options.max_queued_bytes,
             ),
             # Requests go from the thread that received them straight to the pool that runs
             # them, and a response to rpc_sync straight to the thread that waits for it.
-            executor=self.pool.submit,
+            executor=self.pool.submit_from,
             on_envelope=self._route_to_waiter,
             faults=FaultPolicy.from_env(options.fault_options()),
+            membership=self.membership,
         )
         # An idle pool thread receives itself: a request then wakes the thread that runs it.
         self.pool.receive_while_idle(self.endpoint)
@@ -321,7 +328,8 @@ class Agent:
         self._barrier_ids: set[int] = set()  # our own pending barrier call
         self._retrying = 0  # retryable control messages not settled yet (call_retrying)
         try:
-            members = rendezvous.exchange(name, self.endpoint.address, self._device_record())
+            members = rendezvous.exchange(name, self.endpoint.address, self._device_record(),
+                                          self.membership.own.published(), self.membership.mechanism, self._secret)
             self._set_members(members)
         except BaseException:
             self._close_now("init_rpc failed")
@@ -353,6 +361,14 @@ class Agent:
             # (transport/cuda_ipc.py, "_limbo_anchor"). It initializes CUDA, as TensorPipe does
             # for the devices of its maps.
             cuda_ipc.prepare(sending[0])
+        for member in members:
+            if member.rank != self.rank:
+                try:
+                    self.membership.admit(str(member.rank), member.credential)
+                except ValueError as exc:
+                    raise RendezvousError(f"rank {member.rank} published no usable credentials: {exc}") from None
+        self.membership.seal()
+        self.endpoint.members_changed()
         for member in members:
             if member.rank != self.rank:
                 self.endpoint.add_peer(str(member.rank), member.address)
@@ -622,6 +638,9 @@ class Agent:
         if envelope.type not in RESPONSE_TYPES:
             return False
         pending = self._pending.get(envelope.id)  # dict lookups are atomic
+        if pending is not None and str(pending.to.id) != peer:
+            self._misdirected(peer, envelope.type, envelope.id, pending.to)
+            return True
         if pending is None:
             found = self._report_sink(envelope.id, envelope.sender)
             if found is None:
@@ -750,14 +769,21 @@ class Agent:
             payload = message.payload
             if message.type is MessageType.FORWARD_AUTOGRAD_REQ:
                 context = autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], int(message.sender))
-            function = resolve_function(payload["f"])
+            function = resolve_function(payload["f"], self.codec.policy)
             if releases is not None and not isinstance(function, autograd_forward.BUILTIN_TYPES):
                 removed = self._remove_riding(message.sender, releases)
             previous = self.autograd.set_current(context)
+            calls = current._calls
+            caller = getattr(calls, "rank", None)
+            # Who asked: its connection's name (current.caller); None for a peer that is no
+            # worker of the group (an embedder's extra member).
+            sender = str(message.sender)
+            calls.rank = int(sender) if sender.isdigit() else None
             try:
                 result = function(*payload["a"], **payload["k"])
             finally:
                 self.autograd.set_current(previous)
+                calls.rank = caller
             if is_async_function(function):
                 check_async_result(function, result)
                 if not result.done():
@@ -857,7 +883,18 @@ class Agent:
         except TransportError as exc:
             log.warning("%s: could not answer call %d from %s: %s", self.info, message_id, to, exc)
 
+    def _misdirected(self, peer: str, kind: MessageType, message_id: int, to: WorkerInfo) -> None:
+        """An answer (or a refusal) to a call that went to another worker: a protocol error,
+        counted and logged, never delivered (the call still waits for its callee)."""
+        self.misdirected_answers += 1
+        self.endpoint.note_protocol_error(
+            peer, f"{kind.name} to call {message_id}, which went to {to}, not to this peer: dropped")
+
     def _complete(self, message: Message) -> None:
+        waiting = self._pending.get(message.id)
+        if waiting is not None and str(waiting.to.id) != message.sender:
+            self._misdirected(str(message.sender), message.type, message.id, waiting.to)
+            return
         pending = self._claim(message.id)
         if pending is None:
             found = self._report_sink(message.id, message.sender)
@@ -874,6 +911,10 @@ class Agent:
             pending.future.set_result(value)
 
     def _on_send_error(self, peer: str, message_id: int, error: Exception) -> None:
+        waiting = self._pending.get(message_id)
+        if waiting is not None and str(waiting.to.id) != peer:
+            self._misdirected(peer, MessageType.PROTOCOL_ERROR, message_id, waiting.to)
+            return
         pending = self._claim(message_id)
         if pending is not None:
             pending.future.set_exception(error)
@@ -1006,24 +1047,25 @@ class Agent:
         self.endpoint.close()
 
 
-def _make_codec(allow_pickle: bool | None, authenticated: bool, host: str) -> RpcCodec:
-    """The pickle policy: explicit, or by default accepted only from authenticated peers or
-    on loopback (where only this host's processes can connect)."""
+def _make_codec(allow_pickle: bool | None, policy: CallablePolicy) -> RpcCodec:
+    """The pickle policy. Only members connect (every connection is authenticated), so by
+    default pickles are accepted from them, as torch does, unless ``allowed_functions``
+    restricts what they may run: a pickle can run anything it names."""
     if allow_pickle is not None:
-        return RpcCodec(allow_pickle=allow_pickle)
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
+        return RpcCodec(allow_pickle=allow_pickle, policy=policy)
     return RpcCodec(
-        allow_pickle=True, accept_pickle=authenticated or loopback,
-        refusal="this worker accepts pickled payloads only from authenticated peers (set a cluster_secret) or "
-                "on loopback; send msgpack-able values, or set allow_pickle=True to accept pickle from anyone",
+        allow_pickle=True, accept_pickle=not policy.restricted, policy=policy,
+        refusal="this worker restricts what peers may run (allowed_functions), and a pickle can run anything; "
+                "send msgpack-able values, or set allow_pickle=True to accept pickles all the same",
     )
 
 
+@protocol_function
 def _arrive_at_shutdown(rank: int) -> torch.futures.Future:
-    return current.agent()._arrive(rank)
+    """On the leader: a worker arrived; which one, its connection says (``rank``, what its
+    payload says, only for a call that came over none)."""
+    caller = current.caller()
+    return current.agent()._arrive(rank if caller is None else caller)
 
 
 _arrive_at_shutdown._wrapped_async_rpc_function = _arrive_at_shutdown

@@ -4,9 +4,17 @@ import statement on every call costs more than the rest of a small call's bookke
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 _api: Any = None  # zmqautograd.rpc.api, bound on first use
+_calls = threading.local()  # .rank: the worker whose call this thread runs (agent._run_call)
+
+
+def caller() -> int | None:
+    """The rank of the worker whose call runs on this thread: taken from the authenticated
+    connection the call came over, never from its payload (None outside a call)."""
+    return getattr(_calls, "rank", None)
 
 
 def agent() -> Any:

@@ -42,14 +42,32 @@ class ZmqRpcBackendOptions:
         devices: the CUDA devices this worker uses (checked against the device maps).
         advertise_address: the IP this worker tells its peers (default: the interface that
             routes to MASTER_ADDR; env ZMQAUTOGRAD_ADVERTISE_ADDRESS overrides).
-        allow_pickle: send and accept pickled payloads (objects msgpack cannot carry). None
-            (the default): sent freely, accepted only from authenticated peers (a cluster
-            secret) or when this worker is on loopback; False: refused both ways; True:
-            accepted from anyone who can connect.
-        max_message_bytes: incoming messages larger than this (all frames) are refused with
-            a protocol error to their sender.
-        cluster_secret: all traffic CURVE-encrypted, and only workers holding the same secret
-            can connect (env ZMQAUTOGRAD_CLUSTER_SECRET; at least 16 bytes).
+        allow_pickle: send and accept pickled payloads (objects msgpack cannot carry). Only
+            members of the group can connect at all (every connection is authenticated), so
+            None (the default) sends them and accepts them from members, as torch does, unless
+            ``allowed_functions`` restricts what members may run (then refused: a pickle runs
+            whatever it names); False: refused both ways; True: accepted from members always.
+        allowed_functions: None (the default, as torch): a member may call any function the
+            callee can import. Else what members may name to be run or built by reference:
+            entries ``"package.module"`` (all of it, submodules included) or
+            ``"package.module.function"``; or a callable ``(module, qualname) -> bool``.
+            Checked before anything is imported. zmqautograd's own protocol functions are
+            always allowed. See the README, "Security".
+        max_message_bytes: messages larger than this (all frames) are refused: a sender
+            checks the limit its peer announced and fails the call with a clear error, and
+            libzmq refuses any frame beyond it as it arrives (closing that connection).
+        max_queued_bytes: a peer that does not read what this worker sends it is dropped
+            (lost, with an error that says so) once this many bytes of big messages wait for
+            it (0: no bound; also at most 65,536 messages wait for any peer).
+        cluster_secret: the rendezvous records are signed with it, and a forged one is
+            refused (env ZMQAUTOGRAD_CLUSTER_SECRET; at least 16 bytes).
+        encrypt: True (the default): every worker has a CURVE key pair of its own, made at
+            init; only the public keys go to the store, and traffic between workers is
+            encrypted (CurveZMQ). False: authenticated, not encrypted (ZMTP PLAIN with an
+            HMAC of a per-worker token): no cost on big tensors that cross a network, but
+            whoever can read the store can join unless there is a cluster_secret, which the
+            credentials are then bound to. Between workers of one host messages go through
+            shared memory either way (docs/transport.md, "Security"; figures in the README).
         heartbeat_interval / peer_timeout: peer-loss detection bounds, in seconds.
         busy_poll: opt-in, seconds. After traffic, the endpoint's I/O thread keeps polling for
             this long instead of sleeping: lower latency on machines where waking a sleeping
@@ -91,7 +109,10 @@ class ZmqRpcBackendOptions:
     advertise_address: str | None = None
     allow_pickle: bool | None = None
     max_message_bytes: int = 1 << 34
+    max_queued_bytes: int = 1 << 32
     cluster_secret: str | None = field(default=None, repr=False)
+    encrypt: bool = True
+    allowed_functions: Any = None
     heartbeat_interval: float = 1.0
     peer_timeout: float = 10.0
     busy_poll: float = 0.0

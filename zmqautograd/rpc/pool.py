@@ -12,6 +12,10 @@ thread is inside such a call (torch issue #23569):
 
 Threads beyond ``size`` leave again when they find no work.
 
+**Fairness.** Work is queued by the peer it came from (:meth:`ElasticPool.submit_from`) and
+taken round-robin between peers: a peer that floods the pool with slow calls delays another
+peer's call by one call of its own at most, never by its whole backlog.
+
 **Receiving while idle.** With :meth:`ElasticPool.receive_while_idle`, one idle thread at a
 time (the *reader*) waits in the endpoint's ``wait_until`` instead of on the pool's condition:
 it receives from the socket itself, so a request that arrives while the pool is idle wakes
@@ -60,6 +64,46 @@ class _ThreadPool(threading.local):
 _current_pool = _ThreadPool()
 
 
+class _FairQueue:
+    """Work by the peer it came from (None: the worker's own), taken round-robin between
+    peers, in order within each (see "Fairness" above). Used under the pool's lock."""
+
+    __slots__ = ("_length", "_order", "_queues")
+
+    def __init__(self) -> None:
+        self._queues: dict[Any, deque] = {}
+        self._order: deque = deque()  # peers with work, the next one to take from first
+        self._length = 0
+
+    def append(self, item: tuple, peer: Any = None) -> None:
+        queue = self._queues.get(peer)
+        if queue is None:
+            queue = self._queues[peer] = deque()
+            self._order.append(peer)
+        queue.append(item)
+        self._length += 1
+
+    def popleft(self) -> tuple:
+        order = self._order
+        peer = order[0]
+        queue = self._queues[peer]
+        item = queue.popleft()
+        if queue:
+            if len(order) > 1:
+                order.rotate(-1)  # that peer's next item after everyone else's
+        else:
+            del self._queues[peer]
+            order.popleft()
+        self._length -= 1
+        return item
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __bool__(self) -> bool:
+        return self._length > 0
+
+
 class ElasticPool:
     def __init__(
         self, size: int, name: str, stall_after: float = 0.5, max_threads: int = 1024, handoff: float = 0.005,
@@ -76,7 +120,7 @@ class ElasticPool:
         self._lock = threading.Lock()
         self._work_ready = threading.Condition(self._lock)  # idle threads wait here
         self._watch_wakeup = threading.Condition(self._lock)
-        self._work: deque = deque()
+        self._work = _FairQueue()
         self._threads: set[threading.Thread] = set()
         self._idle = 0  # threads waiting for work
         self._waking = 0  # threads woken or started that have not looked at the queue yet
@@ -98,6 +142,14 @@ class ElasticPool:
         self._receiver = endpoint
 
     def submit(self, function: Callable, *args: Any) -> None:
+        self._submit(None, function, args)
+
+    def submit_from(self, function: Callable, peer: str, *args: Any) -> None:
+        """``submit(function, peer, *args)`` for work that came from ``peer``, queued fairly
+        among peers (an endpoint's ``executor``)."""
+        self._submit(peer, function, (peer, *args))
+
+    def _submit(self, peer: Any, function: Callable, args: tuple) -> None:
         with self._lock:
             if self._closed:
                 # Shutting down: work that arrives now is not run (its caller's call fails by
@@ -105,7 +157,7 @@ class ElasticPool:
                 # caller may be an I/O thread.
                 log.info("pool %s is shut down: dropped %s", self.name, getattr(function, "__qualname__", function))
                 return
-            self._work.append((function, args))
+            self._work.append((function, args), peer)
             if self._reader is not threading.current_thread():  # the reader takes what it received
                 self._dispatch_locked(time.monotonic(), grow_past_size=False)
 

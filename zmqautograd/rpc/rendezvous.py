@@ -1,5 +1,11 @@
-"""Rendezvous through torch's own stores: every worker publishes (name, rank, address), waits
-for all, and checks that the group is consistent.
+"""Rendezvous through torch's own stores: every worker publishes (name, rank, address, the
+public part of its credentials), waits for all, and checks that the group is consistent.
+
+Without a cluster secret the store is the group's trust root, as torch's is: whoever can
+write to it during the rendezvous can add a member, and whoever can read it learns the
+members' public credentials (over "plain" that is enough to connect as one). With a cluster
+secret every record is signed (HMAC-SHA256 under a key derived from the secret, bound to its
+store key), and a record that is not is refused with an error that names it.
 
 The init URL names a torch TCPStore (``env://``, ``tcp://``; rank 0 hosts it) or a FileStore
 (``file://``). Keys are prefixed with a round number that each
@@ -19,6 +25,8 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from transport.security import record_is_authentic, sign_record
+
 from .errors import RendezvousError
 
 PREFIX = "zmqautograd"
@@ -35,6 +43,8 @@ class Member:
     rank: int
     address: str
     devices: dict = field(default_factory=dict, compare=False)  # device maps, devices, CUDA count
+    credential: str = ""  # the public part of its credentials (transport/security.py)
+    mechanism: str = ""  # how it authenticates: "plain" or "curve"
 
 
 class Rendezvous:
@@ -58,18 +68,27 @@ class Rendezvous:
         self.key = f"{PREFIX}/{self.round}"
         self.master_addr = _master_address(init_method)
 
-    def exchange(self, name: str, address: str, devices: dict | None = None) -> list[Member]:
+    def exchange(self, name: str, address: str, devices: dict | None = None, credential: str = "",
+                 mechanism: str = "", secret: bytes | None = None) -> list[Member]:
         """Publish ours, wait for everyone's, check names and world size. ``devices``: this
-        worker's device maps, devices and CUDA device count (JSON), for every peer to see."""
+        worker's device maps, devices and CUDA device count (JSON), for every peer to see;
+        ``credential``/``mechanism``: how it proves itself to them; ``secret``: the cluster
+        secret, which signs our record and must have signed everyone's."""
         me = {"name": name, "rank": self.rank, "address": address, "world_size": self.world_size,
-              "devices": devices or {}}
-        self.store.set(f"{self.key}/member/{self.rank}", json.dumps(me))
+              "devices": devices or {}, "credential": credential, "mechanism": mechanism}
+        key = f"{self.key}/member/{self.rank}"
+        self.store.set(key, _seal(secret, key, json.dumps(me)))
         keys = [f"{self.key}/member/{r}" for r in range(self.world_size)]
         self._wait(keys, "join")
-        members = [json.loads(self.store.get(k)) for k in keys]
+        members = [_open(secret, k, self.store.get(k), rank) for rank, k in enumerate(keys)]
         sizes = {m["world_size"] for m in members}
         if len(sizes) > 1:
             raise RendezvousError(f"workers disagree on world_size: {sorted(sizes)}")
+        mechanisms = {m.get("mechanism") for m in members}
+        if len(mechanisms) > 1:
+            raise RendezvousError(
+                f"workers disagree on encryption (mechanisms {sorted(map(str, mechanisms))}): "
+                "give every worker the same cluster_secret and encrypt options")
         names: dict[str, int] = {}
         for m in members:
             if m["name"] in names:
@@ -77,7 +96,8 @@ class Rendezvous:
                     f"duplicate worker name {m['name']!r} (ranks {names[m['name']]} and {m['rank']})"
                 )
             names[m["name"]] = m["rank"]
-        return [Member(m["name"], m["rank"], m["address"], m.get("devices") or {}) for m in members]
+        return [Member(m["name"], m["rank"], m["address"], m.get("devices") or {}, m.get("credential", ""),
+                       m.get("mechanism", "")) for m in members]
 
     def _wait(self, keys: list[str], what: str, timeout: float | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
@@ -100,6 +120,37 @@ class Rendezvous:
             f"rank {self.rank}: the group did not {what} within {timeout:.0f} s (world_size={self.world_size}): "
             f"rank(s) {', '.join(missing)} did not {what}"
         ) from None
+
+
+def _seal(secret: bytes | None, key: str, record: str) -> str:
+    """What goes to the store: the record, signed when there is a cluster secret."""
+    if secret is None:
+        return record
+    return json.dumps({"record": record, "hmac": sign_record(secret, key, record.encode())})
+
+
+def _open(secret: bytes | None, key: str, value: bytes, rank: int) -> dict:
+    """A member's record read back: checked against its signature (with a secret), well
+    formed, and of the rank its key says."""
+    try:
+        text = value.decode()
+        if secret is not None:
+            sealed = json.loads(text)
+            if not isinstance(sealed, dict) or not isinstance(sealed.get("record"), str) or not record_is_authentic(
+                    secret, key, sealed["record"].encode(), sealed.get("hmac")):
+                raise RendezvousError(
+                    f"rendezvous record {key!r} is not signed with this group's cluster secret: it was forged, "
+                    "or written by a worker with another secret; refusing to join")
+            text = sealed["record"]
+        record = json.loads(text)
+        if not isinstance(record, dict) or record.get("rank") != rank or not isinstance(record.get("name"), str) \
+                or not isinstance(record.get("address"), str):
+            raise ValueError("not a member record of that rank")
+    except RendezvousError:
+        raise
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RendezvousError(f"rendezvous record {key!r} is malformed ({exc}); refusing to join") from None
+    return record
 
 
 def _open_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:

@@ -45,9 +45,10 @@ from transport import MessageType
 from transport.errors import PeerLostError
 
 from . import current
-from .errors import RpcError, as_operator_error, user_error
+from .errors import RpcError, SerializationError, as_operator_error, user_error
 from .functions import check_async_result, is_async_function
 from .futures import Future
+from .serialization import protocol_function
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,11 @@ class RRefContext:
         with self._lock:
             entry = self._entry(rref_id)
             if fork_id in entry.forks:
+                holder = entry.forks[fork_id]
+                if sender is not None and holder is not None and holder != sender:
+                    # Only the worker that holds a fork releases it (sender: its connection).
+                    raise RpcError(f"RRef fork {fork_id} of {rref_id} is held by worker {holder}, "
+                                   f"not by worker {sender}, which asked to delete it")
                 del entry.forks[fork_id]
             elif not self._is_lost(sender):  # (a lost sender's fork is never kept: add_fork)
                 entry.deleted_early[fork_id] = sender
@@ -202,7 +208,7 @@ class RRefContext:
                     _, owner_id, rref_id, fork_id = item
                     agent = self.agent
                     if not agent.closed and agent.rrefs is self:
-                        self._control(owner_id, _delete_fork, (list(rref_id), list(fork_id), agent.rank),
+                        self._control(owner_id, _delete_fork, (list(rref_id), list(fork_id)),
                                       MessageType.RREF_USER_DELETE)
             except Exception as exc:  # noqa: BLE001 - the owner's peer-loss handling covers the rest
                 log.debug("releasing %s failed: %s", item, exc)
@@ -375,7 +381,7 @@ class RRefContext:
         if parent == owner_id:
             rref._confirmed.set()  # the owner registered this fork when it sent it
             return rref
-        registered = self._control(owner_id, _fork_request, (list(rref_id), list(fork_id), agent.rank),
+        registered = self._control(owner_id, _fork_request, (list(rref_id), list(fork_id)),
                                    MessageType.RREF_FORK_REQUEST)
 
         def confirmed(done: Any) -> None:
@@ -603,6 +609,7 @@ def _context() -> RRefContext:
     return current.agent().rrefs
 
 
+@protocol_function
 def _type_on_owner(rref: RRef) -> Any:
     """On the owner, for ``RRef._get_type``: the value's type, by reference (torch's
     ``_rref_typeof_on_owner``); waits for the value as ``local_value`` does."""
@@ -611,18 +618,19 @@ def _type_on_owner(rref: RRef) -> Any:
     return encode_function(type(rref.local_value()))
 
 
+@protocol_function
 def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: tuple, kwargs: dict) -> None:
     """On the owner, for remote(): register the caller's fork, run, keep the value."""
     from .serialization import resolve_function
 
     context, rref_id = _context(), tuple(rref_id)
-    if fork_id is not None:  # made by the caller, who holds it: its fork ids carry its rank
-        context.add_fork(rref_id, tuple(fork_id), fork_id[0])
+    if fork_id is not None:  # made by the caller, who holds it
+        context.add_fork(rref_id, tuple(fork_id), current.caller())
     future = context.begin_making(rref_id)
     if future is None:
         return  # its creator was lost before this ran: the value has failed already
     try:
-        function = resolve_function(function)
+        function = resolve_function(function, context.agent.codec.policy)
         value = function(*args, **kwargs)
         if is_async_function(function):
             # The value is what the returned future completes with, whenever it does; no
@@ -659,6 +667,7 @@ def _settle(target: torch.futures.Future, done: torch.futures.Future, convert: C
         target.set_exception(exc)
 
 
+@protocol_function
 def _fetch(rref_id: list) -> torch.futures.Future:
     return _context().owner_value(tuple(rref_id))
 
@@ -666,18 +675,24 @@ def _fetch(rref_id: list) -> torch.futures.Future:
 _fetch._wrapped_async_rpc_function = _fetch  # answered when the value is ready
 
 
-def _fork_request(rref_id: list, fork_id: list, holder: int | None = None) -> None:
-    _context().add_fork(tuple(rref_id), tuple(fork_id), holder)
+# The worker a fork request or a delete is for is the one it came from (current.caller: the
+# authenticated connection), never a rank its payload names.
+@protocol_function
+def _fork_request(rref_id: list, fork_id: list) -> None:
+    _context().add_fork(tuple(rref_id), tuple(fork_id), current.caller())
 
 
+@protocol_function
 def _child_accept(fork_id: list) -> None:
     _context().child_accepted(tuple(fork_id))
 
 
-def _delete_fork(rref_id: list, fork_id: list, sender: int | None = None) -> None:
-    _context().delete_fork(tuple(rref_id), tuple(fork_id), sender)
+@protocol_function
+def _delete_fork(rref_id: list, fork_id: list) -> None:
+    _context().delete_fork(tuple(rref_id), tuple(fork_id), current.caller())
 
 
+@protocol_function
 def _backward_on_owner(rref_id: list, context_id: int, retain_graph: bool) -> None:
     """On the owner, for a user's ``RRef.backward``: once the value is there (a remote() may
     still be running), the pass starts here, so this worker is its originator."""
@@ -700,10 +715,14 @@ def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
     dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
+@protocol_function
 def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> torch.futures.Future:
     """On the owner, for the proxies (``rref.rpc_sync().method(...)``): the method's result,
     as a future, so that a method marked ``async_execution`` is answered when the future it
-    returns completes, as torch's proxies do."""
+    returns completes, as torch's proxies do. Where ``allowed_functions`` restricts what
+    peers may run, only public methods (no name that starts with "_")."""
+    if not isinstance(name, str) or (name.startswith("_") and _context().agent.codec.policy.restricted):
+        raise SerializationError(f"method {name!r:.60} may not be called by peers here (allowed_functions)")
     method = getattr(rref.local_value(), name)
     result = method(*args, **kwargs)
     if is_async_function(method):
@@ -717,5 +736,6 @@ def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> torch.futu
 _call_method._wrapped_async_rpc_function = _call_method
 
 
+@protocol_function
 def _owned_count() -> int:
     return _context().owned_count()

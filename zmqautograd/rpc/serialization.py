@@ -9,6 +9,10 @@ names, and a reference needs no pickle, so it also reaches workers that refuse p
 payloads. Other objects msgpack cannot carry are pickled, with their tensors taken out of
 band (they still travel as tensor frames, never inside the pickle); the pickle fallback
 obeys ``allow_pickle``.
+
+What a member may name to be run or built is decided by a :class:`CallablePolicy` (the
+``allowed_functions`` option) before anything is imported; the protocol's own functions,
+marked with :func:`protocol_function`, are always allowed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import io
 import pickle
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -37,6 +41,94 @@ _NAMED_KINDS = (type, types.FunctionType, types.BuiltinFunctionType, types.Metho
 # torch's constants (torch.strided, torch.channels_last, torch.per_tensor_affine): attributes
 # of ``torch`` named by their str, which pickle sends by name too.
 _TORCH_CONSTANT_KINDS = (torch.layout, torch.memory_format, torch.qscheme)
+
+
+# ------------------------------------------------------------------------ callable policy
+
+# The functions zmqautograd itself asks peers to run (RRef protocol, autograd, optimizer,
+# shutdown): allowed whatever the policy, and nothing else of zmqautograd is. Listed here,
+# not collected from their modules, since a callee may not have imported those yet.
+_PROTOCOL_FUNCTIONS = frozenset({
+    ("zmqautograd.autograd.api", "_backward_request"),
+    ("zmqautograd.autograd.cleanup", "cleanup_contexts"),
+    ("zmqautograd.optim.optimizer", "_local_optimizer_step"),
+    ("zmqautograd.optim.optimizer", "_new_local_optimizer"),
+    ("zmqautograd.rpc.agent", "_arrive_at_shutdown"),
+    *(("zmqautograd.rpc.rref", name) for name in (
+        "_backward_on_owner", "_call_method", "_child_accept", "_delete_fork", "_fetch", "_fork_request",
+        "_owned_count", "_run_remote", "_type_on_owner")),
+})
+
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def protocol_function(function: _F) -> _F:
+    """Mark ``function`` as one that zmqautograd's own protocol calls on peers (it must be in
+    ``_PROTOCOL_FUNCTIONS``)."""
+    if (function.__module__, function.__qualname__) not in _PROTOCOL_FUNCTIONS:
+        raise AssertionError(f"{function.__module__}.{function.__qualname__} is not listed as a protocol function")
+    return function
+
+
+class CallablePolicy:
+    """Which functions and classes a peer may name by reference (``allowed_functions``).
+
+    ``allowed``: None (anything importable, as torch), entries (``"pkg.module"``: it and all
+    below it; ``"pkg.module.function"``: that one), or ``(module, qualname) -> bool``."""
+
+    def __init__(self, allowed: Any = None):
+        self.restricted = allowed is not None
+        self._predicate: Callable[[str, str], bool] | None = None
+        self._entries: tuple[str, ...] = ()
+        if callable(allowed):
+            self._predicate = allowed
+        elif allowed is not None:
+            if isinstance(allowed, str) or not all(isinstance(e, str) and e for e in allowed):
+                raise TypeError("allowed_functions must be a list of dotted names or a callable (module, qualname) -> bool")
+            # A function or class goes by the name of where it is defined (torch.optim.SGD as
+            # torch.optim.sgd.SGD): each entry that names one here also allows that name.
+            self._entries = tuple(allowed) + tuple(filter(None, map(_defined_name, allowed)))
+        self._verdicts: dict[tuple[str, str], bool] = {}
+
+    def allows(self, module: str, qualname: str) -> bool:
+        if not self.restricted or (module, qualname) in _PROTOCOL_FUNCTIONS:
+            return True
+        key = (module, qualname)
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            if self._predicate is not None:
+                verdict = bool(self._predicate(module, qualname))
+            else:
+                full = f"{module}.{qualname}"
+                verdict = any(full == e or full.startswith(e + ".") for e in self._entries)
+            if len(self._verdicts) < 4096:
+                self._verdicts[key] = verdict
+        return verdict
+
+    def check(self, module: str, qualname: str) -> None:
+        if not self.allows(module, qualname):
+            raise SerializationError(
+                f"{module}.{qualname} may not be called or named here: it is not in this worker's allowed_functions")
+
+
+def _defined_name(entry: str) -> str | None:
+    """Where the function or class ``entry`` names is defined, if that is another name (this
+    worker's own configuration: importing it is safe)."""
+    parts = entry.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            obj = _resolve(".".join(parts[:split]), ".".join(parts[split:]))
+        except (ImportError, AttributeError):
+            continue
+        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        if isinstance(module, str) and isinstance(qualname, str) and f"{module}.{qualname}" != entry:
+            return f"{module}.{qualname}"
+        return None
+    return None
+
+
+UNRESTRICTED = CallablePolicy()
 
 
 # ------------------------------------------------------------------------- function refs
@@ -160,18 +252,20 @@ class RpcCodec(Codec):
     """The transport codec plus the RPC layer's types: function references and the pickle
     fallback (refused both ways when ``allow_pickle`` is False)."""
 
-    def __init__(self, allow_pickle: bool = True, accept_pickle: bool | None = None, refusal: str = "", **kwargs: Any):
+    def __init__(self, allow_pickle: bool = True, accept_pickle: bool | None = None, refusal: str = "",
+                 policy: CallablePolicy = UNRESTRICTED, **kwargs: Any):
         self.allow_pickle = allow_pickle  # may we send pickled payloads
         # may we unpickle what peers send (default: as allow_pickle); ``refusal`` says why not
         self.accept_pickle = allow_pickle if accept_pickle is None else accept_pickle
         self.refusal = refusal or "allow_pickle is False on this worker"
+        self.policy = policy  # what peers may name by reference
         pickled = Extension(EXT_PICKLE, _Pickled, lambda p: p.value, self._load_pickle)
         # Cached both ways (transport/codec.py, Extension.cache): a reference travels with every
         # call, always the same few.
         functions = Extension(EXT_FUNCTION, FunctionRef, lambda f: [f.module, f.qualname], self._load_function, cache=True)
         # Reached only through the fallback (its type matches nothing), so never cached: a
         # name may be rebound, and resolving one is a dict lookup and a getattr.
-        named = Extension(EXT_GLOBAL, _Named, lambda n: n.reference, _load_global)
+        named = Extension(EXT_GLOBAL, _Named, lambda n: n.reference, self._load_global)
         super().__init__(extensions=[pickled, functions, named], fallback=self._fallback, **kwargs)
 
     def _fallback(self, obj: Any) -> tuple[Extension, Any]:
@@ -191,6 +285,9 @@ class RpcCodec(Codec):
         if not self.accept_pickle:
             raise SerializationError(f"refused a pickled payload: {self.refusal}")
         return unpickle_out_of_band(value)
+
+    def _load_global(self, value: Any) -> Any:
+        return _load_global(value, self.policy)
 
     @staticmethod
     def _load_function(value: Any) -> "FunctionRef":
@@ -220,13 +317,16 @@ def _names_a_special_attribute(qualname: str) -> bool:
     return any(part.startswith("__") and part.endswith("__") for part in qualname.split("."))
 
 
-def _load_global(value: Any) -> Any:
+def _load_global(value: Any, policy: CallablePolicy = UNRESTRICTED) -> Any:
     """The class or function a received global reference names, imported here if need be."""
     if not (isinstance(value, list) and len(value) == 2 and all(isinstance(part, str) for part in value)):
         raise SerializationError("malformed global reference")
     module, qualname = value
     if _names_a_special_attribute(qualname):
         raise SerializationError(f"refused a global reference through a special attribute: {module}.{qualname}")
+    if module == "torch" and policy.restricted and type(getattr(sys.modules["torch"], qualname, None)) in _TORCH_CONSTANT_KINDS:
+        return getattr(sys.modules["torch"], qualname)  # a constant (torch.channels_last) runs nothing
+    policy.check(module, qualname)
     return _import_named(module, qualname, "")
 
 
@@ -260,9 +360,11 @@ def encode_function(function: Callable) -> Any:
     return FunctionRef(*reference) if reference else function
 
 
-def resolve_function(function: Any) -> Callable:
-    """The callable a request names; raises SerializationError if it cannot be imported here."""
+def resolve_function(function: Any, policy: CallablePolicy = UNRESTRICTED) -> Callable:
+    """The callable a request names; raises SerializationError if the policy refuses it (before
+    anything is imported) or it cannot be imported here."""
     if isinstance(function, FunctionRef):
+        policy.check(function.module, function.qualname)
         return _import_named(function.module, function.qualname, "function ")
     return function
 
