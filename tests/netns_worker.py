@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from dataclasses import dataclass
 
 import zmqautograd.rpc as rpc
@@ -26,16 +28,23 @@ def echo(value):
 
 def main() -> None:
     rank, world_size, master = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    secret = sys.argv[4] if len(sys.argv) > 4 else None
-    options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://{master}", rpc_timeout=30, cluster_secret=secret)
+    secret = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "-" else None
+    encrypt = sys.argv[5] != "0" if len(sys.argv) > 5 else True
+    options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://{master}", rpc_timeout=30, cluster_secret=secret,
+                                       encrypt=encrypt)
     rpc.init_rpc(f"host{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
     seen = {f"host{r}": rpc.rpc_sync(f"host{r}", whoami_and_address) for r in range(world_size)}
-    # The pickle policy across hosts: refused from unauthenticated peers, accepted with a secret.
+    # Pickles across hosts: every connection is a member's, so accepted (as torch does).
     try:
         rpc.rpc_sync(f"host{(rank + 1) % world_size}", echo, args=(Point(rank, 1),))
         pickle = "accepted"
     except RuntimeError as exc:
         pickle = f"refused: {exc}"
+    hold = os.environ.get("ZQ_SERVE_UNTIL")  # serve until the test says (a stranger attacks)
+    deadline = time.monotonic() + 90
+    while hold and not os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.05)  # (a file another process makes: nothing to wait on)
+    seen["still"] = rpc.rpc_sync(f"host{(rank + 1) % world_size}", whoami_and_address)
     rpc.shutdown()
     print(json.dumps({"seen": seen, "pickle": pickle}), flush=True)
 

@@ -1,7 +1,8 @@
 """A stranger with raw pyzmq: a process that reaches a worker's port (and perhaps the
 rendezvous store) but did not join the group. It tries what an attacker would and reports
-what came back. Run as ``python -m tests.stranger ADDRESS MARKER`` from another network
-namespace, or call :func:`attack` in-process."""
+what came back. Run as ``python -m tests.stranger MARKER STORE_HOST:PORT WORLD_SIZE`` from
+another network namespace (it reads the workers' addresses and public keys from the store,
+as a stranger on the network can), or call :func:`attack` in-process."""
 
 from __future__ import annotations
 
@@ -106,21 +107,25 @@ def attack(address: str, marker: str, names: list[str] | None = None, server_key
     return report
 
 
-def read_store(host: str, port: int) -> dict:
-    """What a stranger finds in the rendezvous store (torch's TCPStore, unauthenticated): the
-    member records of the first round."""
+def read_store(host: str, port: int, world_size: int) -> dict:
+    """What a stranger finds in the rendezvous store (torch's TCPStore, which anyone who
+    reaches it may read): the member records of the first round, once all are there."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
-    records = {}
-    for rank in range(16):
-        key = f"zmqautograd/1/member/{rank}"
-        if not store.check([key]):
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
             break
-        records[rank] = store.get(key).decode()
-    return records
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)  # (the store is not up yet)
+    keys = [f"zmqautograd/1/member/{rank}" for rank in range(world_size)]
+    store.wait(keys, timedelta(seconds=60))
+    return {rank: _record(store.get(key).decode()) for rank, key in enumerate(keys)}
 
 
 def _record(text: str) -> dict:
@@ -129,17 +134,15 @@ def _record(text: str) -> dict:
 
 
 def main() -> None:
-    address, marker = sys.argv[1], sys.argv[2]
-    store = sys.argv[3] if len(sys.argv) > 3 else None
-    found = {}
-    if store:
-        host, port = store.rsplit(":", 1)
-        found = read_store(host, int(port))
-        addresses = [_record(r)["address"] for r in found.values()]
-    else:
-        addresses = [address]
-    reports = {a: attack(a, marker) for a in addresses}
-    print(json.dumps({"store_records": len(found), "reports": reports}), flush=True)
+    marker, store, world_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    host, port = store.rsplit(":", 1)
+    records = read_store(host, int(port), world_size)
+    reports = {}
+    for record in records.values():
+        key = record.get("credential", "").encode() if record.get("mechanism") == "curve" else None
+        reports[record["address"]] = attack(record["address"], marker, names=[str(r) for r in records] + ["x"],
+                                            server_key=key)
+    print(json.dumps({"store_records": len(records), "reports": reports}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Workers on separate 'hosts': network namespaces joined by a bridge (root needed; skipped
 where namespaces cannot be made). Each host advertises the address of the interface that
-routes to the master, never loopback, and calls cross the bridge."""
+routes to the master, never loopback, and calls cross the bridge. A stranger on a fourth
+host reads the store and attacks every worker: it gets nothing run."""
 
 from __future__ import annotations
 
@@ -18,23 +19,37 @@ HOSTS = 3
 @pytest.fixture
 def hosts():
     try:
-        with bridged_hosts(HOSTS) as names:
+        with bridged_hosts(HOSTS + 1) as names:  # the last one is the stranger's
             yield names
     except Unavailable as exc:
         pytest.skip(str(exc))
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("secret", [None, "a cluster secret of some length"])
-def test_workers_on_separate_hosts_advertise_routable_addresses(hosts, secret):
-    """Also the pickle policy across hosts: without a cluster secret, pickled payloads from
-    another host are refused with a clear error; with one (all traffic CURVE-encrypted, peers
-    authenticated) they are accepted."""
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("secret", "encrypt"), [(None, True), (None, False), ("a cluster secret of some length", True)],
+                         ids=["default", "authenticated-only", "secret"])
+def test_workers_on_separate_hosts_and_a_stranger_on_another(hosts, tmp_path, secret, encrypt):
+    """Routable addresses, calls and pickles between members across hosts; a stranger on a
+    fourth host that reads the workers' addresses (and public keys) from the store tries
+    HELLO + calls by reference, a pickle, forged answers and control messages on each worker
+    (tests/stranger.py): refused in the handshake every time, nothing runs (the marker file
+    never appears), and the workers serve on and shut down cleanly."""
     master = f"{SUBNET}.1:29500"
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    extra = [secret] if secret else []
+    marker, serve_until = tmp_path / "marker", tmp_path / "serve-until"
+    env = {**os.environ, "PYTHONPATH": ROOT, "ZQ_SERVE_UNTIL": str(serve_until)}
+    extra = [secret or "-", "1" if encrypt else "0"]
     processes = [start_in(name, ["-m", "tests.netns_worker", str(rank), str(HOSTS), master, *extra], env, ROOT)
-                 for rank, name in enumerate(hosts)]
+                 for rank, name in enumerate(hosts[:HOSTS])]
+    stranger = start_in(hosts[HOSTS], ["-m", "tests.stranger", str(marker), master, str(HOSTS)], env, ROOT)
+    try:
+        (attack, attack_err), = outputs_of([stranger], timeout=120)
+    finally:
+        serve_until.touch()
+    assert stranger.returncode == 0, attack_err[-3000:]
+    report = json.loads(attack.strip().splitlines()[-1])
+    assert report["store_records"] == HOSTS
+    for address, received in report["reports"].items():
+        assert received == {"null": 0, "plain": 0, "curve": 0}, (address, received)
     outputs = []
     for process, (out, err) in zip(processes, outputs_of(processes, timeout=100)):
         assert process.returncode == 0, err[-3000:]
@@ -44,7 +59,6 @@ def test_workers_on_separate_hosts_advertise_routable_addresses(hosts, secret):
             name, address = result["seen"][f"host{rank}"]
             assert name == f"host{rank}"
             assert address.startswith(f"tcp://{SUBNET}.{rank + 1}:"), address  # not loopback
-        if secret:
-            assert result["pickle"] == "accepted"
-        else:
-            assert result["pickle"].startswith("refused") and "only from authenticated peers" in result["pickle"]
+        assert result["pickle"] == "accepted"
+        assert result["seen"]["still"][0].startswith("host")  # served on after the attack
+    assert not marker.exists()
