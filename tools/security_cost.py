@@ -1,6 +1,8 @@
 """What security costs: zmqautograd before a revision and now, in one run.
 
-Each configuration runs in its own pair of worker processes; the groups take turns sample by
+Each configuration runs in its own pair of worker processes; the CPU column is the CPU time
+per small call of both processes together (all their threads), which moves less with the
+machine's noise than the latency does; the groups take turns sample by
 sample, each frozen while another measures (tools/bench.py's ``Group``), so all see the same
 machine. Workloads: a small ``rpc_sync``, a one-hop dist autograd step (forward and
 backward) and a 16 MiB ``rpc_sync`` round trip. Configurations: the code at ``--before``
@@ -27,7 +29,17 @@ sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore")
 
 SOCKET = {"shm_ring": 0, "lend_min": 0}  # what goes between hosts: through the socket
-COLUMNS = ("rpc_sync small", "one hop fwd+bwd", "16 MiB round trip")
+COLUMNS = ("rpc_sync small", "  CPU of both", "one hop fwd+bwd", "16 MiB round trip")
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes, all threads (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def run_config(rank: int, conn, done, source: str, options: dict, port: int) -> None:
@@ -50,9 +62,14 @@ def run_config(rank: int, conn, done, source: str, options: dict, port: int) -> 
         one_hop_backward(rpc, autograd, 20)
         big_round_trip(rpc, big)
 
+        pids = [os.getpid(), rpc.rpc_sync("worker1", os.getpid)]
+
         def sample() -> tuple:
             small_latency(rpc, 10)  # after a freeze the caches hold the other groups' work
-            return (small_latency(rpc, 200), one_hop_backward(rpc, autograd, 50),
+            cpu = _cpu_seconds(pids)
+            small = small_latency(rpc, 1000)  # (enough calls for the clock ticks of CPU time)
+            cpu = (_cpu_seconds(pids) - cpu) / 1000
+            return (small, cpu, one_hop_backward(rpc, autograd, 50),
                     statistics.median(big_round_trip(rpc, big) for _ in range(5)))
 
         _measure_on_command(conn, sample)

@@ -235,8 +235,12 @@ class RRefContext:
         with self._lock:
             self._pending_children[fork_id] = (rref, None)
 
-    def child_accepted(self, fork_id: tuple) -> None:
+    def child_accepted(self, fork_id: tuple, sender: int | None = None) -> None:
         with self._lock:
+            kept = self._pending_children.get(fork_id)
+            if kept is not None and sender is not None and kept[1] is not None and kept[1] != sender:
+                # Only the worker we forked it to may say it has its own now.
+                raise RpcError(f"RRef fork {fork_id} went to worker {kept[1]}, not to worker {sender}")
             kept = self._pending_children.pop(fork_id, None)
         del kept  # (our RRef's __del__, if this was its last reference, outside the lock)
 
@@ -624,6 +628,10 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
     from .serialization import resolve_function
 
     context, rref_id = _context(), tuple(rref_id)
+    caller = current.caller()
+    if caller is not None and (rref_id[0] != caller or (fork_id is not None and fork_id[0] != caller)):
+        # remote()'s caller makes the ids (RRefContext.new_id): others' are not its to name.
+        raise RpcError(f"worker {caller} sent remote() with RRef ids of another worker ({rref_id}, {fork_id})")
     if fork_id is not None:  # made by the caller, who holds it
         context.add_fork(rref_id, tuple(fork_id), current.caller())
     future = context.begin_making(rref_id)
@@ -684,7 +692,7 @@ def _fork_request(rref_id: list, fork_id: list) -> None:
 
 @protocol_function
 def _child_accept(fork_id: list) -> None:
-    _context().child_accepted(tuple(fork_id))
+    _context().child_accepted(tuple(fork_id), current.caller())
 
 
 @protocol_function
