@@ -44,6 +44,12 @@ def _payloads(marker: str) -> list[tuple[MessageType, object]]:
     calls = [(MessageType.PYTHON_CALL, p) for p in by_reference]
     calls.append((MessageType.PYTHON_CALL, {"f": pickled, "a": [], "k": {}}))
     calls.append((MessageType.PYTHON_REMOTE_CALL, by_reference[0]))
+    # Control messages: release an RRef fork, autograd contexts, arrive at shutdown for rank 1.
+    for kind, module, name, args in (
+            (MessageType.RREF_USER_DELETE, "zmqautograd.rpc.rref", "_delete_fork", [[0, 1], [0, 2]]),
+            (MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ, "zmqautograd.autograd.cleanup", "cleanup_contexts", [[1, 2, 3]]),
+            (MessageType.PYTHON_CALL, "zmqautograd.rpc.agent", "_arrive_at_shutdown", [1])):
+        calls.append((kind, {"f": msgpack.ExtType(EXT_FUNCTION, msgpack.packb([module, name])), "a": args, "k": {}}))
     return calls
 
 
@@ -68,7 +74,9 @@ def attack(address: str, marker: str, names: list[str] | None = None, server_key
            linger: float = 0.5) -> dict:
     """Connect to ``address`` in every configuration, under each of ``names`` (default: the
     names of a 2-worker group's ranks, and one of our own); say HELLO, send calls that would
-    create ``marker``, forged answers (ids 1..64), forged control messages and garbage. Returns
+    create ``marker``, forged answers and errors (ids 1..64), forged control messages (RRef
+    delete, context cleanup, shutdown arrival, lending release, ring start, GOODBYE) and
+    garbage. Returns
     per configuration how many messages came back (0 when the handshake was refused)."""
     codec = Codec()
     report: dict = {}
@@ -88,7 +96,9 @@ def attack(address: str, marker: str, names: list[str] | None = None, server_key
                 frames += [codec.encode(Message(MessageType.PYTHON_RET, i, name, {"v": "forged"})) for i in range(1, 65)]
                 frames += [codec.encode(Message(MessageType.EXCEPTION, i, name, {"exc": {
                     "module": "builtins", "type": "ValueError", "message": "forged", "traceback": ""}})) for i in range(1, 65)]
-                frames += [codec.encode(Message(MessageType.GOODBYE, 0, name))]
+                frames += [codec.encode(Message(kind_, 0, name, payload)) for kind_, payload in (
+                    (MessageType.LEND_RELEASE, [1, 2, 3]), (MessageType.SHM_START, {"bell": "x"}),
+                    (MessageType.GOODBYE, None))]
                 frames += [[b"\x95\x01\x10\x01\xa8stranger\xc4\x00"], [b"garbage"]]
                 for message in frames:
                     try:

@@ -454,3 +454,41 @@ def _wait_until(condition, timeout: float = 30) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)  # (another process's state: nothing to wait on)
+
+
+@pytest.mark.timeout(120)
+def test_a_same_host_peer_that_does_not_read_is_dropped_past_max_queued_bytes():
+    """A peer on this host that stops reading (SIGSTOP) is dropped once max_queued_bytes of
+    what we sent it waits: big buffers lent to it that it never releases, and small messages
+    beyond what its ring holds. Our memory for it stops there (buffers on loan, RSS)."""
+    import signal
+
+    from transport import PeerLostError
+
+    from .test_endpoint import Client
+    from .workers import start_server
+
+    server = start_server("frozen")
+    lender = Client(server, identity="lender-x", max_queued_bytes=32 << 20)
+    writer = Client(server, identity="writer-x", max_queued_bytes=8 << 20)
+    try:
+        assert lender.call({"op": "echo", "data": 1}) == 1 and writer.call({"op": "echo", "data": 2}) == 2
+        assert lender.endpoint.reads_our_memory("frozen") and writer.endpoint.through_shared_memory("frozen")
+        server.kill(signal.SIGSTOP)
+        before = _rss()
+        big = torch.ones(1 << 20)  # 4 MiB, lent: the same tensor each time, so no new memory
+        for clients, payload, count in ((lender, {"op": "echo", "data": big}, 64),
+                                        (writer, {"op": "echo", "data": torch.ones(2048)}, 20_000)):
+            for _ in range(count):
+                try:
+                    clients.send(payload)
+                except PeerLostError:
+                    break
+            _, peer, error = clients.lost.get(timeout=30)
+            assert peer == "frozen" and "it does not read" in str(error), error
+        assert _rss() - before < 48 << 20  # the writer's 8 KiB messages were 160 MB unbounded
+    finally:
+        server.kill(signal.SIGCONT)
+        lender.close()
+        writer.close()
+        server.stop()

@@ -46,6 +46,7 @@ which also work through a network that silently drops), or the peer says GOODBYE
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import functools
 import itertools
@@ -212,6 +213,7 @@ class _Peer:
     # the order sent (libzmq writes them in that order), and their bytes.
     in_libzmq: deque = field(default_factory=deque)
     in_libzmq_bytes: int = 0
+    lent_bytes: int = 0  # of the buffers in ``lent``
     bell: Any = None
     ring_pid: int | None = None  # its pid, from its HELLO: the process whose ring we map
 
@@ -1094,6 +1096,9 @@ class Endpoint:
                 record.lent.update(lent)
                 stats.buffers_lent += len(lent)
                 copy = True
+                record.lent_bytes += sum(map(ctypes.sizeof, lent.values()))
+                if self.options.max_queued_bytes and record.lent_bytes > self.options.max_queued_bytes:
+                    self._does_not_read(record, record.lent_bytes)  # it never releases what it read
         if record.ring_out is not None:  # a peer on this host (transport/shm.py)
             pieces = shm.encode(frames)
             if not record.unwritten and len(pieces) == 1:
@@ -1116,12 +1121,23 @@ class Endpoint:
                 send = self._router.send
                 send(record.routing_id, _MORE_NOBLOCK)
                 last = len(frames) - 1
-                for index in range(last):
-                    send(frames[index], _MORE_NOBLOCK, copy=copy)
                 if copy:
+                    for index in range(last):
+                        send(frames[index], _MORE_NOBLOCK)
                     send(frames[last], _NOBLOCK)
-                else:  # libzmq holds the memory until it has written it: counted till then
-                    self._in_libzmq(record, send(frames[last], _NOBLOCK, copy=False, track=True), nbytes)
+                else:
+                    # libzmq holds the memory until it has written it: counted till then, by
+                    # the tracker of the last frame it does not copy (it writes frames in order).
+                    tracked = _last_uncopied(frames)
+                    tracker = None
+                    for index, frame in enumerate(frames):
+                        flags = _NOBLOCK if index == last else _MORE_NOBLOCK
+                        if index == tracked:
+                            tracker = send(frame, flags, copy=False, track=True)
+                        else:
+                            send(frame, flags, copy=False)
+                    if tracker is not None:
+                        self._in_libzmq(record, tracker, nbytes)
             except zmq.ZMQError as exc:
                 stats.send_errors += 1
                 if exc.errno == zmq.EHOSTUNREACH:
@@ -1360,7 +1376,9 @@ class Endpoint:
         lent = record.lent
         for transfer_id in ids:
             if type(transfer_id) is int:
-                lent.pop(transfer_id, None)
+                buffer = lent.pop(transfer_id, None)
+                if buffer is not None:
+                    record.lent_bytes -= ctypes.sizeof(buffer)
 
     def _borrow(self, peer: str, frames: list) -> list:
         """Frames of a message with lent buffers: each empty placeholder replaced with a
@@ -1709,7 +1727,7 @@ class Endpoint:
             waiting, record.waiting = record.waiting, deque()
             lent, record.lent = record.lent, {}
             record.lend, record.reader, record.offer = False, None, None
-            record.in_libzmq, record.in_libzmq_bytes = deque(), 0
+            record.in_libzmq, record.in_libzmq_bytes, record.lent_bytes = deque(), 0, 0
         # The peer may not know yet that it lost us, and still read what we lent it.
         lending.retire(lent.values(), self.options.peer_timeout)
         self._close_rings(record)
@@ -1832,6 +1850,14 @@ def _spin_poll(poll: Callable[[float], bool], until: float) -> bool:
         if clock() >= until:
             return False
         _yield_cpu()
+
+
+def _last_uncopied(frames: list) -> int:
+    """The index of the last frame pyzmq hands to libzmq without a copy (-1: none)."""
+    for index in range(len(frames) - 1, -1, -1):
+        if memoryview(frames[index]).nbytes >= zmq.COPY_THRESHOLD:
+            return index
+    return -1
 
 
 def _too_large(peer: str, nbytes: int, limit: int) -> LocalProtocolError:
