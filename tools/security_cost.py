@@ -48,10 +48,13 @@ def run_config(rank: int, conn, done, source: str, options: dict, port: int) -> 
     sys.path.insert(0, source)  # before anything imports zmqautograd or transport
     import torch
 
-    import zmqautograd.autograd as autograd
-    import zmqautograd.rpc as rpc
-
-    from tools.bench import _measure_on_command, big_round_trip, one_hop_backward, small_latency
+    from tools.bench import (
+        _measure_on_command,
+        big_round_trip,
+        one_hop_backward,
+        small_latency,
+    )
+    from zmqautograd import autograd, rpc
 
     torch.set_num_threads(1)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=rpc.ZmqRpcBackendOptions(
@@ -113,7 +116,7 @@ def main() -> None:
             print(f"{name:45s}" + "".join(f"{c:>26s}" for c in cells), flush=True)
         print(speed_line("after"), flush=True)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", before], cwd=ROOT, capture_output=True)
+        subprocess.run(["git", "worktree", "remove", "--force", before], cwd=ROOT, capture_output=True, check=False)
 
 
 if __name__ == "__main__":
