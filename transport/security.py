@@ -45,7 +45,8 @@ class NotYetKnown(Refusal):
 
 def _need_curve() -> None:
     if not zmq.has("curve"):
-        raise RuntimeError("encryption needs CURVE, and this libzmq was built without it")
+        raise RuntimeError("encryption needs CURVE, and this libzmq was built without it "
+                           "(encrypt=False authenticates without it)")
 
 
 @dataclass(frozen=True)

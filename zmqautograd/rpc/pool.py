@@ -64,44 +64,41 @@ class _ThreadPool(threading.local):
 _current_pool = _ThreadPool()
 
 
-class _FairQueue:
+class _FairQueue(deque):
     """Work by the peer it came from (None: the worker's own), taken round-robin between
-    peers, in order within each (see "Fairness" above). Used under the pool's lock."""
+    peers, in order within each (see "Fairness" above). Used under the pool's lock.
 
-    __slots__ = ("_length", "_order", "_queues")
+    The deque itself holds the peers that have work, the one to take from next first: a look
+    at whether work waits (its truth, which idle and spinning threads take often) costs what
+    a plain deque's does. ``items`` counts the work."""
+
+    __slots__ = ("_queues", "items")
 
     def __init__(self) -> None:
+        super().__init__()
         self._queues: dict[Any, deque] = {}
-        self._order: deque = deque()  # peers with work, the next one to take from first
-        self._length = 0
+        self.items = 0
 
-    def append(self, item: tuple, peer: Any = None) -> None:
+    def append(self, item: tuple, peer: Any = None) -> None:  # type: ignore[override]
         queue = self._queues.get(peer)
         if queue is None:
             queue = self._queues[peer] = deque()
-            self._order.append(peer)
+            deque.append(self, peer)
         queue.append(item)
-        self._length += 1
+        self.items += 1
 
     def popleft(self) -> tuple:
-        order = self._order
-        peer = order[0]
+        peer = self[0]
         queue = self._queues[peer]
         item = queue.popleft()
         if queue:
-            if len(order) > 1:
-                order.rotate(-1)  # that peer's next item after everyone else's
+            if len(self) > 1:
+                self.rotate(-1)  # that peer's next item after everyone else's
         else:
             del self._queues[peer]
-            order.popleft()
-        self._length -= 1
+            deque.popleft(self)
+        self.items -= 1
         return item
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __bool__(self) -> bool:
-        return self._length > 0
 
 
 class ElasticPool:
@@ -253,7 +250,7 @@ class ElasticPool:
     def _dispatch_locked(self, now: float, grow_past_size: bool) -> bool:
         """Make sure queued work gets a thread (caller holds the lock). False when it was left
         for a thread that is making progress, or every thread is busy."""
-        if len(self._work) <= self._waking:
+        if self._work.items <= self._waking:
             return True  # threads on their way will take it
         if self._waking:
             # A woken thread has not run yet (typically: the I/O thread holds the GIL while it
@@ -385,9 +382,9 @@ class ElasticPool:
             while not self._closed:
                 if self._held:
                     self._release_stale_held_locked(time.monotonic())
-                if len(self._work) > self._waking or self._held:
+                if self._work.items > self._waking or self._held:
                     now = time.monotonic()
-                    if len(self._work) > self._waking and not self._dispatch_locked(now, grow_past_size=False) and not self._idle and self._reader is None and (
+                    if self._work.items > self._waking and not self._dispatch_locked(now, grow_past_size=False) and not self._idle and self._reader is None and (
                         now - self._last_progress > self.stall_after and len(self._threads) < self.max_threads
                     ):
                         # Every thread busy and none finishing: some wait on something we
