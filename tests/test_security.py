@@ -189,7 +189,7 @@ def test_many_strangers_cost_a_worker_no_descriptors_or_memory():
                     dealer.curve_publickey, dealer.curve_secretkey = zmq.curve_keypair()
                     dealer.connect(address)
                     sockets.append(dealer)
-                _wait_until(lambda: rpc.rpc_sync("worker1", sf.refused_connections) >= refused + 100)
+                _wait_until(lambda base=refused: rpc.rpc_sync("worker1", sf.refused_connections) >= base + 100)
                 for dealer in sockets:
                     dealer.close()
         finally:
