@@ -3,12 +3,16 @@ serve until the driver (the test process, rank 0) shuts the group down."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import traceback
 
-import zmqautograd.rpc as rpc
-from tools import ports
+import zmq
 
+from tools import ports
+from transport import Codec, Message, MessageType
+from transport.security import Membership
+from zmqautograd import rpc
 
 free_port = ports.free_port  # (tools/ports.py: one that no connect() takes meanwhile)
 
@@ -79,3 +83,30 @@ class Group:
             failures.append(self.errors.get())
         assert not failures, f"worker failures: {failures}"
         assert all(p.exitcode == 0 for p in self.processes), [p.exitcode for p in self.processes]
+
+
+@contextlib.contextmanager
+def admitted_member(name: str, worker: str = "worker1", rank: str = "1", **socket_options):
+    """A raw DEALER connected to ``worker`` (wire name ``rank``) as member ``name``: the
+    worker admitted it, as an embedder admits an extra peer, and it said HELLO, so that what
+    it sends gets past the handshake and HELLO to the codec and the RPC layer: what a
+    compromised member can do. ``socket_options``: zmq option names and values."""
+    from . import security_functions as sf
+
+    own = Membership.generate(name, rpc.rpc_sync(worker, sf.mechanism))
+    rpc.rpc_sync(worker, sf.admit, args=(name, own.own.published()))
+    own.admit(rank, rpc.rpc_sync(worker, sf.credential))
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.ROUTING_ID, name.encode())
+    raw.setsockopt(zmq.LINGER, 0)
+    for option, value in socket_options.items():
+        raw.setsockopt(getattr(zmq, option), value)
+    own.configure_connect(raw, rank)
+    raw.connect(rpc.rpc_sync(worker, sf.address))
+    try:
+        raw.send_multipart(Codec().encode(Message(MessageType.HELLO, 0, name, {"identity": name})))
+        yield raw
+    finally:
+        raw.close()
+        context.term()

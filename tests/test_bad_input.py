@@ -3,21 +3,17 @@ can address with an error, refuses oversize messages, and then serves valid call
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import msgpack
 import pytest
 import torch
-import zmq
 
 from transport import PROTOCOL_VERSION, Codec, Message, MessageType
-from transport.security import Membership
 from zmqautograd import rpc
 
 from . import bad_input_functions as bf
-from . import security_functions as sf
-from .rpc_harness import Group
+from .rpc_harness import Group, admitted_member
 
 pytestmark = pytest.mark.timeout(120)
 LIMIT = 1 << 20
@@ -30,29 +26,6 @@ def group():
     g.shutdown()
 
 
-@contextlib.contextmanager
-def _intruder(name: str, codec: Codec):
-    """A raw DEALER connected to worker1 as peer ``name``, a member: worker1 admitted it (as
-    an embedder would admit an extra peer), so that its messages get past the handshake and
-    HELLO and reach the codec and the RPC layer. Strangers get nowhere (tests/test_security.py)."""
-    address = rpc.rpc_sync("worker1", sf.address)
-    own = Membership.generate(name, rpc.rpc_sync("worker1", sf.mechanism))
-    rpc.rpc_sync("worker1", sf.admit, args=(name, own.own.published()))
-    own.admit("1", rpc.rpc_sync("worker1", sf.credential))
-    context = zmq.Context()
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.ROUTING_ID, name.encode())
-    raw.setsockopt(zmq.LINGER, 0)
-    own.configure_connect(raw, "1")
-    raw.connect(address)
-    try:
-        raw.send_multipart(codec.encode(Message(MessageType.HELLO, 0, name, {"identity": name})))
-        yield raw
-    finally:
-        raw.close()
-        context.term()
-
-
 def test_oversize_messages_are_refused_with_a_clear_error(group):
     with pytest.raises(RuntimeError, match=r"limit is 1048576"):
         rpc.rpc_sync("worker1", torch.add, args=(torch.zeros(LIMIT // 4 + 1), 1))
@@ -63,7 +36,7 @@ def test_bombarded_worker_stays_up_and_serves(group):
     errors_before = rpc.rpc_sync("worker1", bf.protocol_errors)
     codec = Codec()
     rng = random.Random(5)
-    with _intruder("intruder", codec) as raw:
+    with admitted_member("intruder") as raw:
         valid = codec.encode(Message(MessageType.PYTHON_CALL, 9, "intruder", {"x": torch.ones(4)}))
         hostile = [
             [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64)))] for _ in range(50)  # noise
@@ -99,7 +72,7 @@ def test_malformed_context_releases_riding_on_a_call_do_not_fail_it(group):
     from zmqautograd.rpc.serialization import RpcCodec, encode_function
 
     codec = RpcCodec()
-    with _intruder("intruder2", codec) as raw:
+    with admitted_member("intruder2") as raw:
         calls = {21: (bf.protocol_errors, [], int), 22: (torch.add, [torch.ones(2), 1], torch.Tensor)}
         for message_id, (function, args, _) in calls.items():
             payload = {"f": encode_function(function), "a": args, "k": {}, "rc": [[1, 2], {"x": 1}]}
@@ -129,7 +102,7 @@ def test_hostile_global_references_are_refused_with_clear_errors(group):
         33: (["os", "system.__globals__"], "through a special attribute: os.system.__globals__"),
         34: (["torch.optim", "SGD"], None),  # well-formed: the call runs
     }
-    with _intruder("intruder3", codec) as raw:
+    with admitted_member("intruder3") as raw:
         for message_id, (reference, _) in references.items():
             value = msgpack.ExtType(EXT_GLOBAL, msgpack.packb(reference))
             payload = {"f": encode_function(bf.type_name), "a": [value], "k": {}}

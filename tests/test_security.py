@@ -6,7 +6,6 @@ the limits on what a peer makes a worker hold are kept before memory is spent.""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
@@ -20,7 +19,7 @@ import zmq
 
 from transport import Codec, Message, MessageType
 from transport.endpoint import Endpoint, EndpointOptions
-from transport.security import ClusterKeys, Membership
+from transport.security import ClusterKeys
 from zmqautograd import rpc
 from zmqautograd.rpc import rref as rref_module
 from zmqautograd.rpc.errors import RendezvousError
@@ -29,7 +28,7 @@ from zmqautograd.rpc.serialization import RpcCodec, encode_function
 
 from . import security_functions as sf
 from . import stranger
-from .rpc_harness import Group, free_port
+from .rpc_harness import Group, admitted_member, free_port
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "correct horse battery staple"
@@ -340,7 +339,6 @@ def test_a_refused_message_is_freed_at_once():
     collector off, 40 refusals of 3.2 MB leave RSS where one leaves it."""
     import gc
 
-    from transport import Codec
 
     server = Endpoint("server", "tcp://127.0.0.1:0", on_message=lambda m: None, codec=Codec(max_message_bytes=1 << 20))
     context = zmq.Context()
@@ -376,29 +374,6 @@ def test_a_refused_message_is_freed_at_once():
         server.close()
 
 
-@contextlib.contextmanager
-def _member(name: str, worker: str = "worker1", rank: str = "1", **socket_options):
-    """A raw DEALER that worker1 admitted as member ``name`` (as an embedder admits an extra
-    peer), past the handshake and HELLO: what a compromised member can do."""
-    own = Membership.generate(name, rpc.rpc_sync(worker, sf.mechanism))
-    rpc.rpc_sync(worker, sf.admit, args=(name, own.own.published()))
-    own.admit(rank, rpc.rpc_sync(worker, sf.credential))
-    context = zmq.Context()
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.ROUTING_ID, name.encode())
-    raw.setsockopt(zmq.LINGER, 0)
-    for option, value in socket_options.items():
-        raw.setsockopt(getattr(zmq, option), value)
-    own.configure_connect(raw, rank)
-    raw.connect(rpc.rpc_sync(worker, sf.address))
-    try:
-        raw.send_multipart(Codec().encode(Message(MessageType.HELLO, 0, name, {"identity": name})))
-        yield raw
-    finally:
-        raw.close()
-        context.term()
-
-
 @pytest.mark.timeout(180)
 def test_limits_hold_before_memory_is_spent():
     """Against a member: frames over max_message_bytes are refused by libzmq as they arrive
@@ -409,7 +384,7 @@ def test_limits_hold_before_memory_is_spent():
                   max_queued_bytes=64 << 20)
     try:
         before = rpc.rpc_sync("worker1", sf.resources)
-        with _member("oversize") as raw:
+        with admitted_member("oversize") as raw:
             frame = bytes(64 << 20)
             for _ in range(4):
                 try:
@@ -421,7 +396,7 @@ def test_limits_hold_before_memory_is_spent():
         assert after["rss"] - before["rss"] < 32 << 20, (before, after)
 
         codec = RpcCodec()
-        with _member("sink", RCVHWM=1, RCVBUF=1 << 16) as raw:
+        with admitted_member("sink", RCVHWM=1, RCVBUF=1 << 16) as raw:
             for message_id in range(1, 401):  # torch.ones(1 << 20): 4 MiB each
                 raw.send_multipart(codec.encode(Message(MessageType.PYTHON_CALL, message_id, "sink", {
                     "f": encode_function(torch.ones), "a": [1 << 20], "k": {}})))

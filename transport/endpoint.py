@@ -70,7 +70,7 @@ from .codec import Codec, Envelope, ExtensionNotDecoded, Message, MessageType, _
 from .faults import FaultPolicy
 from . import lending, shm, staging
 from .lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN, LentFrame, Reader
-from .security import ZAP_ENDPOINT, ClusterKeys, Membership, NotYetKnown, Refusal
+from .security import ZAP_ENDPOINT, ClusterKeys, Membership, NotYetKnown, Refusal, zap_refusal
 from .tensors import adopt_torch_thread_settings
 from .waiter import IoPoller, LockWaiter, Waiter, new_waiter
 from .errors import (
@@ -1009,8 +1009,7 @@ class Endpoint:
             self._refused(f"a connection from {_zap_address(request)}", why)
 
     def _answer_zap_refused(self, request: list[bytes], why: str) -> None:
-        request_id = request[1] if len(request) > 1 else b""
-        self._zap.send_multipart([b"1.0", request_id, b"400", b"not a member of this group", b"", b""])
+        self._zap.send_multipart(zap_refusal(request[1] if len(request) > 1 else b""))
         self._refused(f"a connection from {_zap_address(request)}", why)
 
     def _answer_held_zap(self, now: float | None = None) -> None:
@@ -1097,8 +1096,7 @@ class Endpoint:
                 stats.buffers_lent += len(lent)
                 copy = True
                 record.lent_bytes += sum(map(ctypes.sizeof, lent.values()))
-                if self.options.max_queued_bytes and record.lent_bytes > self.options.max_queued_bytes:
-                    self._does_not_read(record, record.lent_bytes)  # it never releases what it read
+                self._bound_queued(record, record.lent_bytes)  # it may never release what it read
         if record.ring_out is not None:  # a peer on this host (transport/shm.py)
             pieces = shm.encode(frames)
             if not record.unwritten and len(pieces) == 1:
@@ -1162,20 +1160,19 @@ class Endpoint:
             record.in_libzmq_bytes -= queued.popleft()[1]
         queued.append((tracker, nbytes))
         record.in_libzmq_bytes += nbytes
-        limit = self.options.max_queued_bytes
-        if limit and record.in_libzmq_bytes > limit:
-            self._does_not_read(record, record.in_libzmq_bytes)
+        self._bound_queued(record, record.in_libzmq_bytes)
 
     def _wait_for_room(self, record: _Peer, pieces: list) -> None:
         """Queue what has no room in the peer's ring yet, bounded as ``_in_libzmq``."""
         record.unwritten.extend(pieces)
         record.unwritten_bytes += sum(len(piece) for piece in pieces)
-        limit = self.options.max_queued_bytes
-        if limit and record.unwritten_bytes > limit:
-            self._does_not_read(record, record.unwritten_bytes)
+        self._bound_queued(record, record.unwritten_bytes)
 
-    def _does_not_read(self, record: _Peer, nbytes: int) -> None:
-        if record.name not in self._closing:
+    def _bound_queued(self, record: _Peer, nbytes: int) -> None:
+        """``nbytes`` of ours wait for ``record`` (in libzmq, for its ring, lent to it): past
+        ``max_queued_bytes`` it is dropped, as a peer that does not read (socket lock held)."""
+        limit = self.options.max_queued_bytes
+        if limit and nbytes > limit and record.name not in self._closing:
             self._connection_gone(record.name, f"it does not read: {nbytes} bytes wait for it "
                                                f"(max_queued_bytes={self.options.max_queued_bytes})")
 

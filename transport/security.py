@@ -4,9 +4,9 @@ Two ways, one per endpoint:
 
 * :class:`Membership` (what the RPC layer always uses): every member has credentials of its
   own, made fresh when it starts, and the endpoint knows each member's public part (the RPC
-  layer learns them at rendezvous). Over ``"plain"`` (the default: authenticated, not
-  encrypted) a member shows an HMAC of its own random token over the two names; over
-  ``"curve"`` (authenticated and encrypted, CurveZMQ) it holds its own CURVE key pair.
+  layer learns them at rendezvous). Over ``"curve"`` (authenticated and encrypted, CurveZMQ;
+  the RPC layer's default) it holds its own CURVE key pair; over ``"plain"`` (authenticated,
+  not encrypted) it shows an HMAC of its own random token over the two names.
   The ZAP handler admits a connection only with a member's credentials, names it by that
   member (ZMQ's ``User-Id``), and the endpoint then checks that the connection calls itself
   by that name. A connection that fails is closed by libzmq: no byte of it reaches the codec.
@@ -77,6 +77,15 @@ class Credentials:
         return f"Credentials({self.mechanism!r})"
 
 
+def zap_refusal(request_id: bytes, text: bytes = b"not a member of this group") -> list[bytes]:
+    """A ZAP reply (RFC 27) that refuses the connection ``request_id`` asked about."""
+    return [b"1.0", request_id, b"400", text, b"", b""]
+
+
+def _zap_admission(request_id: bytes, user_id: bytes = b"") -> list[bytes]:
+    return [b"1.0", request_id, b"200", b"OK", user_id, b""]
+
+
 def _tag(key: bytes, *parts: str | bytes) -> str:
     message = b"\0".join(p.encode() if isinstance(p, str) else p for p in parts)
     return hmac.new(key, message, hashlib.sha256).hexdigest()
@@ -132,10 +141,6 @@ class Membership:
 
     def __contains__(self, name: str) -> bool:
         return name in self._members
-
-    @property
-    def encrypted(self) -> bool:
-        return self.mechanism == "curve"
 
     # ------------------------------------------------------------------ socket options
 
@@ -195,8 +200,8 @@ class Membership:
         except Refusal as exc:
             name, why = None, str(exc)
         if name is None:
-            return [b"1.0", request_id, b"400", b"not a member of this group", b"", b""], None, why
-        return [b"1.0", request_id, b"200", b"OK", name.encode(), b""], name, ""
+            return zap_refusal(request_id), None, why
+        return _zap_admission(request_id, name.encode()), name, ""
 
     def _authenticate(self, mechanism: bytes, credentials: list[bytes]) -> str:
         if mechanism != self.mechanism.upper().encode():
@@ -308,9 +313,9 @@ class ClusterKeys:
         key = request[6] if len(request) > 6 else b""
         admitted = version == b"1.0" and mechanism == b"CURVE" and key == z85.decode(self.client_public)
         if not admitted:
-            return [b"1.0", request_id, b"400", b"not a member of this cluster", b"", b""], None, \
+            return zap_refusal(request_id, b"not a member of this cluster"), None, \
                 "it does not hold the cluster secret"
-        return [b"1.0", request_id, b"200", b"OK", b"", b""], "", ""
+        return _zap_admission(request_id), "", ""
 
     # A shared secret names nobody: the connection's name is what its HELLO says.
     def new_nonce(self) -> bytes | None:

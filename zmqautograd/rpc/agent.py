@@ -638,8 +638,7 @@ class Agent:
         if envelope.type not in RESPONSE_TYPES:
             return False
         pending = self._pending.get(envelope.id)  # dict lookups are atomic
-        if pending is not None and str(pending.to.id) != peer:
-            self._misdirected(peer, envelope.type, envelope.id, pending.to)
+        if self._misdirected(pending, peer, envelope.type, envelope.id):
             return True
         if pending is None:
             found = self._report_sink(envelope.id, envelope.sender)
@@ -883,17 +882,19 @@ class Agent:
         except TransportError as exc:
             log.warning("%s: could not answer call %d from %s: %s", self.info, message_id, to, exc)
 
-    def _misdirected(self, peer: str, kind: MessageType, message_id: int, to: WorkerInfo) -> None:
-        """An answer (or a refusal) to a call that went to another worker: a protocol error,
+    def _misdirected(self, pending: _Pending | None, peer: str, kind: MessageType, message_id: int) -> bool:
+        """Whether ``peer``'s answer (or refusal) to call ``message_id`` (``pending``, if it
+        still waits) is for a call that went to another worker: then it is a protocol error,
         counted and logged, never delivered (the call still waits for its callee)."""
+        if pending is None or str(pending.to.id) == peer:
+            return False
         self.misdirected_answers += 1
         self.endpoint.note_protocol_error(
-            peer, f"{kind.name} to call {message_id}, which went to {to}, not to this peer: dropped")
+            peer, f"{kind.name} to call {message_id}, which went to {pending.to}, not to this peer: dropped")
+        return True
 
     def _complete(self, message: Message) -> None:
-        waiting = self._pending.get(message.id)
-        if waiting is not None and str(waiting.to.id) != message.sender:
-            self._misdirected(str(message.sender), message.type, message.id, waiting.to)
+        if self._misdirected(self._pending.get(message.id), str(message.sender), message.type, message.id):
             return
         pending = self._claim(message.id)
         if pending is None:
@@ -911,9 +912,7 @@ class Agent:
             pending.future.set_result(value)
 
     def _on_send_error(self, peer: str, message_id: int, error: Exception) -> None:
-        waiting = self._pending.get(message_id)
-        if waiting is not None and str(waiting.to.id) != peer:
-            self._misdirected(peer, MessageType.PROTOCOL_ERROR, message_id, waiting.to)
+        if self._misdirected(self._pending.get(message_id), peer, MessageType.PROTOCOL_ERROR, message_id):
             return
         pending = self._claim(message_id)
         if pending is not None:

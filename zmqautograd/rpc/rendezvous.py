@@ -146,9 +146,7 @@ def _open(secret: bytes | None, key: str, value: bytes, rank: int) -> dict:
         if not isinstance(record, dict) or record.get("rank") != rank or not isinstance(record.get("name"), str) \
                 or not isinstance(record.get("address"), str):
             raise ValueError("not a member record of that rank")
-    except RendezvousError:
-        raise
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # (UnicodeDecodeError and json's errors are ValueErrors)
         raise RendezvousError(f"rendezvous record {key!r} is malformed ({exc}); refusing to join") from None
     return record
 
