@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from transport.faults import FaultPolicy
+from zmqautograd.transport.faults import FaultPolicy
 import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
 from zmqautograd.rpc.rref import _owned_count

@@ -10,8 +10,8 @@ import traceback
 import zmq
 
 from tools import ports
-from transport import Codec, Message, MessageType
-from transport.security import Membership
+from zmqautograd.transport import Codec, Message, MessageType
+from zmqautograd.transport.security import Membership
 from zmqautograd import rpc
 
 free_port = ports.free_port  # (tools/ports.py: one that no connect() takes meanwhile)

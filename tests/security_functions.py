@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from transport import Message, MessageType
+from zmqautograd.transport import Message, MessageType
 from zmqautograd.rpc import api
 
 

@@ -14,7 +14,7 @@ import time
 import msgpack
 import zmq
 
-from transport import Codec, Message, MessageType
+from zmqautograd.transport import Codec, Message, MessageType
 
 EXT_PICKLE, EXT_FUNCTION = 16, 17
 

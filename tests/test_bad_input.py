@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import torch
 
-from transport import PROTOCOL_VERSION, Codec, Message, MessageType
+from zmqautograd.transport import PROTOCOL_VERSION, Codec, Message, MessageType
 from zmqautograd import rpc
 
 from . import bad_input_functions as bf

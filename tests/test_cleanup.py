@@ -71,7 +71,7 @@ class _AgentWhoseCallsFail:
 
 @pytest.mark.parametrize("lost", [True, False])
 def test_a_release_that_cannot_reach_its_worker_is_logged_by_what_it_leaves_behind(caplog, lost):
-    from transport import PeerLostError
+    from zmqautograd.transport import PeerLostError
     from zmqautograd.autograd import cleanup
     from zmqautograd.rpc.errors import RpcError
 

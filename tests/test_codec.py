@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transport import (
+from zmqautograd.transport import (
     PROTOCOL_VERSION,
     Codec,
     Extension,
@@ -23,7 +23,7 @@ from transport import (
     ProtocolError,
     RemoteProtocolError,
 )
-from transport.tensors import DTYPES_BY_NAME
+from zmqautograd.transport.tensors import DTYPES_BY_NAME
 
 CODEC = Codec()
 
@@ -565,7 +565,7 @@ def test_malformed_messages_raise_remote_protocol_error(case):
 def test_a_descriptor_seen_before_is_checked_once_and_its_frame_every_time(monkeypatch):
     """Dense descriptors are checked once per distinct encoding (the codec keeps the result),
     but what depends on the message, its frames, is checked at every decode."""
-    from transport import codec as codec_module
+    from zmqautograd.transport import codec as codec_module
 
     parsed = []
     real_parse = codec_module.parse_dense
@@ -611,7 +611,7 @@ def test_fuzz_deterministic_mutations_of_every_byte():
 
 
 def test_pinned_pool_reuses_buffers_by_size_class_and_stays_bounded():
-    from transport.staging import PinnedBufferPool
+    from zmqautograd.transport.staging import PinnedBufferPool
 
     pool = PinnedBufferPool(max_cached_bytes=1 << 20, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
     first = pool.acquire(100_000)
@@ -626,7 +626,7 @@ def test_pinned_pool_reuses_buffers_by_size_class_and_stays_bounded():
 
 
 def test_cuda_descriptor_on_a_host_without_that_device_is_a_clear_error():
-    from transport import DeviceMapError
+    from zmqautograd.transport import DeviceMapError
 
     frames = forge(payload=tensor_ext(["dense", "float32", [2], None, 1, 8, "cuda:7", False]), buffers=[b"\0" * 8])
     if torch.cuda.device_count() <= 7:
@@ -639,7 +639,7 @@ def test_cuda_descriptor_on_a_host_without_that_device_is_a_clear_error():
 
 
 def test_a_cuda_ipc_handle_on_a_host_without_that_device_is_a_clear_error():
-    from transport import DeviceMapError
+    from zmqautograd.transport import DeviceMapError
 
     for uuid in (None, "GPU-not-here"):
         frames = forge(payload=tensor_ext(["cuda_ipc", "float32", [2], "cpu", False, [7, b"h", 8, 0, b"r", 0, None, False], uuid]))
@@ -650,7 +650,7 @@ def test_a_cuda_ipc_handle_on_a_host_without_that_device_is_a_clear_error():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_stage_through_pinned_buffers_and_land_on_the_mapped_device():
-    from transport.staging import PinnedBufferPool
+    from zmqautograd.transport.staging import PinnedBufferPool
 
     pool = PinnedBufferPool()
     codec = Codec(pinned_pool=pool)
@@ -674,7 +674,7 @@ def test_the_memory_staged_from_a_cuda_tensor_is_what_a_cpu_tensor_of_that_layou
     ``nbytes`` at ``data_ptr``; for every layout the encoder sends as it lies (dense
     permutations, views at an offset, the memory an expansion repeats) they are the same bytes,
     so the receiver's strides fit CUDA tensors as they fit CPU ones."""
-    from transport.tensors import _dense_span, _memory, _unexpanded, as_buffer
+    from zmqautograd.transport.tensors import _dense_span, _memory, _unexpanded, as_buffer
 
     base = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32)
     dense = [
@@ -697,7 +697,7 @@ def test_a_received_view_is_rebuilt_on_its_target_device_over_the_memory_moved_t
     """Without a GPU, the meta device stands in for the target: the receiver moves the memory
     and then rebuilds the view (``to`` of an expanded view would make it contiguous, at its
     full size)."""
-    from transport import tensors
+    from zmqautograd.transport import tensors
 
     monkeypatch.setattr(tensors, "resolve_device", lambda source, device_map: torch.device("meta"))
     sent = [torch.tensor(3.0).expand(500, 200), torch.arange(12.0).view(3, 4).t()]
@@ -725,7 +725,7 @@ def test_cuda_views_arrive_with_their_layout_and_expanded_ones_send_what_they_re
 
 
 def test_as_buffer_is_zero_copy_and_refuses_what_it_cannot_export():
-    from transport.tensors import as_buffer
+    from zmqautograd.transport.tensors import as_buffer
 
     tensor = torch.arange(10, dtype=torch.int32)
     buffer = as_buffer(tensor)

@@ -10,8 +10,8 @@ import weakref
 import pytest
 import torch
 
-from transport import cuda_ipc
-from transport.tensors import parse_cuda_ipc
+from zmqautograd.transport import cuda_ipc
+from zmqautograd.transport.tensors import parse_cuda_ipc
 
 SHARED = (0, b"handle", 4096, 512, b"/torch_counters", 3, b"event", 1)
 
@@ -97,7 +97,7 @@ def test_a_shared_snapshot_makes_a_descriptor_the_receiver_accepts_and_is_freed_
 
 def test_the_receiver_opens_a_handle_on_its_own_index_of_the_senders_gpu(monkeypatch):
     """Processes with different CUDA_VISIBLE_DEVICES number one GPU differently."""
-    from transport import DeviceMapError
+    from zmqautograd.transport import DeviceMapError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zmqautograd.rpc as rpc
-from transport import DeviceMapError
-from transport.cuda_ipc import MIN_BYTES as CUDA_IPC_MIN_BYTES
+from zmqautograd.transport import DeviceMapError
+from zmqautograd.transport.cuda_ipc import MIN_BYTES as CUDA_IPC_MIN_BYTES
 from zmqautograd.rpc.devices import DevicePlacement, to_device_map, validate_device_maps
 
 from .rpc_harness import free_port, spawn_and_collect

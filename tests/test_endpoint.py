@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from transport import (
+from zmqautograd.transport import (
     EndpointClosedError,
     LocalProtocolError,
     Message,
@@ -22,8 +22,8 @@ from transport import (
     PeerLostError,
     UnknownPeerError,
 )
-from transport.codec import PROTOCOL_VERSION, Codec
-from transport.endpoint import Endpoint, EndpointOptions
+from zmqautograd.transport.codec import PROTOCOL_VERSION, Codec
+from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 
 from .workers import start_server, tensor_digest
 
@@ -317,7 +317,7 @@ def test_bind_failure_is_a_clear_error():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_travel_through_pinned_staging(client):
-    from transport.staging import default_pool
+    from zmqautograd.transport.staging import default_pool
 
     tensor = torch.randn(1 << 20, device="cuda")
     assert torch.equal(client.call({"op": "echo", "data": tensor}), tensor)  # server maps cuda:0 -> cuda:0

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from transport import FaultPolicy, InjectedFaultError, Message, MessageType
-from transport.endpoint import Endpoint
-from transport.faults import ENVIRONMENT_VARIABLE
+from zmqautograd.transport import FaultPolicy, InjectedFaultError, Message, MessageType
+from zmqautograd.transport.endpoint import Endpoint
+from zmqautograd.transport.faults import ENVIRONMENT_VARIABLE
 
 pytestmark = pytest.mark.timeout(60)
 

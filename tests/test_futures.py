@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 
-from transport import PeerLostError
+from zmqautograd.transport import PeerLostError
 from zmqautograd.rpc.futures import Future, Outcome, traceback_text
 from zmqautograd.rpc.serialization import encode_exception
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 import zmq
 
-from transport import Message, MessageType
-from transport import lending
-from transport.codec import Codec
-from transport.endpoint import Endpoint
-from transport.faults import FaultPolicy
-from transport.errors import LocalProtocolError, RemoteProtocolError
+from zmqautograd.transport import Message, MessageType
+from zmqautograd.transport import lending
+from zmqautograd.transport.codec import Codec
+from zmqautograd.transport.endpoint import Endpoint
+from zmqautograd.transport.faults import FaultPolicy
+from zmqautograd.transport.errors import LocalProtocolError, RemoteProtocolError
 
 from .test_endpoint import Client
 from .workers import start_server, tensor_digest
@@ -266,7 +266,7 @@ def _self_reader(pool) -> "lending.Reader":
 def test_reads_reuse_pooled_buffers_only_once_no_tensor_uses_them():
     if lending.host_key() is None:
         pytest.skip("no process_vm_readv or pidfd_open here")
-    from transport.staging import plain_pool
+    from zmqautograd.transport.staging import plain_pool
 
     mib = 1 << 20
     pool = plain_pool(8 * mib, lending.DEFAULT_LEND_MIN)

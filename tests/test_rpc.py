@@ -380,7 +380,7 @@ def test_a_retried_control_call_keeps_nothing_of_it_alive(group, fails):
     """``Agent.call_retrying`` (the RRef protocol's messages, context releases): its tries
     once were closures that called each other, cycles that only the cyclic collector freed,
     with the call's arguments in them."""
-    from transport import MessageType
+    from zmqautograd.transport import MessageType
 
     agent = rpc.api._current()
 

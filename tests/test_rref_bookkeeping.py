@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from transport.errors import PeerLostError
+from zmqautograd.transport.errors import PeerLostError
 from zmqautograd.rpc.rref import RRef, RRefContext
 
 pytestmark = pytest.mark.timeout(30)

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from transport import Codec, Message, MessageType
-from transport.endpoint import Endpoint, EndpointOptions
-from transport.security import ClusterKeys
+from zmqautograd.transport import Codec, Message, MessageType
+from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
+from zmqautograd.transport.security import ClusterKeys
 from zmqautograd import rpc
 from zmqautograd.rpc import rref as rref_module
 from zmqautograd.rpc.errors import RendezvousError
@@ -439,7 +439,7 @@ def test_a_same_host_peer_that_does_not_read_is_dropped_past_max_queued_bytes():
     beyond what its ring holds. Our memory for it stops there (buffers on loan, RSS)."""
     import signal
 
-    from transport import PeerLostError
+    from zmqautograd.transport import PeerLostError
 
     from .test_endpoint import Client
     from .workers import start_server

@@ -18,10 +18,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport import Message, MessageType, PeerLostError
-from transport import shm
-from transport.endpoint import Endpoint, EndpointOptions
-from transport.errors import RemoteProtocolError
+from zmqautograd.transport import Message, MessageType, PeerLostError
+from zmqautograd.transport import shm
+from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
+from zmqautograd.transport.errors import RemoteProtocolError
 
 from .test_endpoint import Client
 from .workers import start_server

@@ -10,16 +10,16 @@ import time
 
 import pytest
 
-import transport.waiter
-from transport import EndpointClosedError, Message, MessageType
-from transport.endpoint import Endpoint
+from zmqautograd.transport import waiter as transport_waiter
+from zmqautograd.transport import EndpointClosedError, Message, MessageType
+from zmqautograd.transport.endpoint import Endpoint
 from zmqautograd.rpc.pool import ElasticPool
 
 from .workers import start_server
 
 pytestmark = pytest.mark.timeout(120)
 
-linux_only = pytest.mark.skipif(transport.waiter.EXCLUSIVE is None, reason="needs epoll with EPOLLEXCLUSIVE (Linux)")
+linux_only = pytest.mark.skipif(transport_waiter.EXCLUSIVE is None, reason="needs epoll with EPOLLEXCLUSIVE (Linux)")
 
 
 class ReceivingThreads:
@@ -89,7 +89,7 @@ def test_the_dispatcher_receives_what_it_delivers():
 def test_without_epoll_exclusive_the_io_thread_receives_everything(monkeypatch):
     """The portable path (no EPOLLEXCLUSIVE): waiting threads only sleep on their wake-up
     descriptor, and messages, order and timeouts are as before."""
-    monkeypatch.setattr(transport.waiter, "EXCLUSIVE", None)
+    monkeypatch.setattr(transport_waiter, "EXCLUSIVE", None)
     received = ReceivingThreads()
     server, client = _echo_pair({}, {}, server_receivers=received)
     try:
@@ -222,12 +222,12 @@ def test_threads_that_get_no_descriptors_wait_on_a_lock(monkeypatch):
     def no_descriptors(*args, **kwargs):
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr(transport.waiter.os, "eventfd", no_descriptors, raising=False)
-    monkeypatch.setattr(transport.waiter.os, "pipe", no_descriptors)
+    monkeypatch.setattr(transport_waiter.os, "eventfd", no_descriptors, raising=False)
+    monkeypatch.setattr(transport_waiter.os, "pipe", no_descriptors)
     server, client = _echo_pair({}, {})
     try:
-        assert isinstance(client.waiter(), transport.waiter.LockWaiter)
-        assert isinstance(server._dispatch_waiter, transport.waiter.LockWaiter)
+        assert isinstance(client.waiter(), transport_waiter.LockWaiter)
+        assert isinstance(server._dispatch_waiter, transport_waiter.LockWaiter)
         for seq in range(100):
             client.send("echo", Message(MessageType.PYTHON_CALL, seq + 1, "asker", seq))
             assert client.recv(30).payload == seq

@@ -1,6 +1,6 @@
 """Worker processes for the multi-process transport tests.
 
-Each runs a real :class:`transport.endpoint.Endpoint` in a spawned process and reports its
+Each runs a real :class:`zmqautograd.transport.endpoint.Endpoint` in a spawned process and reports its
 address through a multiprocessing queue. The tests talk to it over real sockets.
 """
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from transport import Message, MessageType
-from transport.endpoint import Endpoint, EndpointOptions
-from transport.tensors import as_buffer
+from zmqautograd.transport import Message, MessageType
+from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
+from zmqautograd.transport.tensors import as_buffer
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

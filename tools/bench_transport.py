@@ -35,9 +35,9 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy")
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from transport import Message, MessageType  # noqa: E402
-from transport.endpoint import Endpoint, EndpointOptions  # noqa: E402
-from transport.tensors import as_buffer  # noqa: E402
+from zmqautograd.transport import Message, MessageType  # noqa: E402
+from zmqautograd.transport.endpoint import Endpoint, EndpointOptions  # noqa: E402
+from zmqautograd.transport.tensors import as_buffer  # noqa: E402
 from tools.machine import StealMeter, kind_line, speed_line  # noqa: E402
 
 SIZES_MB = (1, 16, 64)

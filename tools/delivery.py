@@ -47,7 +47,7 @@ _reads: list = []  # (ns, sender, the reading thread's name)
 
 def _install() -> None:
     """Wrap the endpoint's ring write and ring read with timestamps (before ``init_rpc``)."""
-    from transport import endpoint
+    from zmqautograd.transport import endpoint
 
     ring_written = endpoint.Endpoint._ring_written  # a staticmethod, looked up as its function
     read_ring = endpoint.Endpoint._read_ring

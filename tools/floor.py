@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import zmq
 
-from transport import Message, MessageType
+from zmqautograd.transport import Message, MessageType
 from zmqautograd.rpc.serialization import RpcCodec, encode_function, resolve_function
 
 _STOP = "stop"

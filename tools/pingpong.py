@@ -23,8 +23,8 @@ warnings.filterwarnings("ignore", "Failed to initialize NumPy")
 
 import torch  # noqa: E402
 
-from transport import Message, MessageType  # noqa: E402
-from transport.endpoint import Endpoint  # noqa: E402
+from zmqautograd.transport import Message, MessageType  # noqa: E402
+from zmqautograd.transport.endpoint import Endpoint  # noqa: E402
 
 
 def worker(address_queue) -> None:

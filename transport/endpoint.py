@@ -250,9 +250,9 @@ class Endpoint:
             (it then decodes the payload itself, with ``codec.decode_payload``). For routing a
             response straight to the thread that waits for it. It must be quick and must not
             block or run user code.
-        faults: a :class:`~transport.faults.FaultPolicy` applied to what is sent (and, for
+        faults: a :class:`~zmqautograd.transport.faults.FaultPolicy` applied to what is sent (and, for
             partitions, received): fault-injection runs and tests.
-        membership: a :class:`~transport.security.Membership`: only its members may connect,
+        membership: a :class:`~zmqautograd.transport.security.Membership`: only its members may connect,
             each proven in ZeroMQ's handshake under its own name (the RPC layer always
             passes one). Without it (and without ``options.cluster_secret``) any process
             that reaches the endpoint's address may connect and send it messages.

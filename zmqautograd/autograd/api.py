@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from transport import MessageType
+from zmqautograd.transport import MessageType
 
 from ..rpc import current
 from ..rpc.errors import RpcError

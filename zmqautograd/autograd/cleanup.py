@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from transport import MessageType, PeerLostError
+from zmqautograd.transport import MessageType, PeerLostError
 
 from .. import timers
 from ..rpc import current

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from transport import MessageType
+from zmqautograd.transport import MessageType
 
 from .context import ContextContainer, DistAutogradContext
 from .functions import attach_recv_node, make_send_node

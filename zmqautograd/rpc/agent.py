@@ -19,17 +19,17 @@ from typing import Any, Callable
 
 import torch
 
-from transport import (
+from zmqautograd.transport import (
     DeviceMapError, EndpointClosedError, Envelope, Extension, FaultPolicy, InjectedFaultError, LocalProtocolError, Message, MessageType,
     PeerLostError, TransportError, UnknownPeerError,
 )
-from transport import cuda_ipc
-from transport import faults as transport_faults
-from transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
-from transport.security import Membership, secret_bytes
-from transport.endpoint import Endpoint, EndpointOptions
-from transport.tensors import adopt_torch_thread_settings
-from transport.waiter import Waiter
+from zmqautograd.transport import cuda_ipc
+from zmqautograd.transport import faults as transport_faults
+from zmqautograd.transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
+from zmqautograd.transport.security import Membership, secret_bytes
+from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
+from zmqautograd.transport.tensors import adopt_torch_thread_settings
+from zmqautograd.transport.waiter import Waiter
 
 from . import current
 from .functions import check_async_result, is_async_function

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from transport import MessageType, TransportError
+from zmqautograd.transport import MessageType, TransportError
 
 from .agent import Agent, WorkerInfo
 from .errors import RpcError, RpcNotInitializedError

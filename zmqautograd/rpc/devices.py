@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from transport.errors import DeviceMapError
+from zmqautograd.transport.errors import DeviceMapError
 
 DeviceMapping = dict[torch.device, torch.device]
 Placement = Callable[[torch.device], str]

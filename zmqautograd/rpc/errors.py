@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from transport.errors import PeerLostError, TransportError  # noqa: F401  (re-exported)
+from zmqautograd.transport.errors import PeerLostError, TransportError  # noqa: F401  (re-exported)
 
 
 class RpcError(RuntimeError):

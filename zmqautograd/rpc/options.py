@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from transport.lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN
-from transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING, DEFAULT_SPIN
+from zmqautograd.transport.lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN
+from zmqautograd.transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING, DEFAULT_SPIN
 
 from .devices import to_device, to_device_map
 
@@ -93,7 +93,7 @@ class ZmqRpcBackendOptions:
             before it sleeps; 0 sleeps at once.
         messages_to_fail / num_fail_sends / messages_to_delay / drop_fraction / fail_fraction /
         fault_seed:
-            fault injection, as torch's faulty agent options (``transport.faults``; also
+            fault injection, as torch's faulty agent options (``zmqautograd.transport.faults``; also
             from the environment variable ZMQAUTOGRAD_FAULTS).
         max_retries / retry_delay / retry_backoff: how the retryable control messages
             (RREF_FORK_REQUEST, RREF_CHILD_ACCEPT, RREF_USER_DELETE,

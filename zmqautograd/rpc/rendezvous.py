@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from transport.security import record_is_authentic, sign_record
+from zmqautograd.transport.security import record_is_authentic, sign_record
 
 from .errors import RendezvousError
 

@@ -41,8 +41,8 @@ from typing import Any, Callable
 
 import torch
 
-from transport import MessageType
-from transport.errors import PeerLostError
+from zmqautograd.transport import MessageType
+from zmqautograd.transport.errors import PeerLostError
 
 from . import current
 from .errors import RpcError, SerializationError, as_operator_error, user_error

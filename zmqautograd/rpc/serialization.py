@@ -26,7 +26,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from transport.codec import Codec, Extension
+from zmqautograd.transport.codec import Codec, Extension
 
 from .errors import RemoteException, SerializationError
 from .futures import traceback_text
