@@ -76,7 +76,9 @@ def combine(a: torch.Tensor, b: torch.Tensor, tag: str) -> torch.Tensor:
 def set_cleanup_delay(seconds: float) -> float:
     """Set how long context releases for other workers wait for a ride (see
     autograd/cleanup.py); returns the previous delay."""
-    cleanups = rpc.api._current().autograd.cleanups
+    import zmqautograd.autograd as dist_autograd
+
+    cleanups = dist_autograd.api._container().cleanups
     previous, cleanups.delay = cleanups.delay, seconds
     return previous
 
@@ -90,7 +92,7 @@ def has_context(context_id: int) -> bool:
 def context_gone_within(context_id: int, timeout: float) -> bool:
     """Whether the context is released here within ``timeout`` seconds (it may be released
     by the thread that answered the call before this one, just after that answer left)."""
-    container = rpc.api._current().autograd
+    container = rpc.api._current().hooks.contexts
     return container.wait_released({context_id}, timeout)
 
 
@@ -99,7 +101,7 @@ def plan_built_within(context_id: int, timeout: float) -> bool:
     backward pass asked for it (engine.prepare_plan)."""
     import time
 
-    container = rpc.api._current().autograd
+    container = rpc.api._current().hooks.contexts
     deadline = time.monotonic() + timeout
     while True:
         context = container.get(context_id)

@@ -128,7 +128,7 @@ def _check_rpc_done(rank_distance):
 
 
 def _all_contexts_cleaned_up(timeout_seconds=10):
-    container = rpc.api._current().autograd
+    container = rpc.api._current().hooks.contexts
     return container.wait_released(set(known_context_ids), timeout_seconds)
 
 

@@ -56,17 +56,17 @@ def make_contexts_on(workers: list, count: int) -> int:
         x = torch.ones(2, requires_grad=True)
         for worker in workers:
             rpc.rpc_sync(worker, torch.add, args=(x, 1))
-        rpc.api._current().autograd.set_current(None)
+        dist_autograd.api._container().set_current(None)
         del context
     return count
 
 
 def context_count() -> int:
-    return rpc.api._current().autograd.count()
+    return dist_autograd.api._container().count()
 
 
 def contexts_released(timeout: float) -> bool:
-    return rpc.api._current().autograd.wait_released(None, timeout)
+    return dist_autograd.api._container().wait_released(None, timeout)
 
 
 def add_on(worker: str, x):

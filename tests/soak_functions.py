@@ -16,7 +16,7 @@ def state() -> dict:
     from zmqautograd import timers
 
     return {
-        "contexts": agent.autograd.count(),
+        "contexts": agent.hooks.contexts.count(),
         "owned_rrefs": agent.rrefs.owned_count(),
         "pending_calls": agent.outstanding(),
         "threads": threading.active_count(),

@@ -216,7 +216,7 @@ def test_a_worker_of_the_context_lost_before_the_pass_fails_it_at_its_first_requ
     run, kept = _routed_pass()
     run.expect(100, 3)
     lost: set = set()
-    agent = SimpleNamespace(endpoint=SimpleNamespace(is_lost=lambda peer: peer in lost))
+    agent = SimpleNamespace(is_lost=lambda worker: str(worker) in lost)
     api._fail_if_lost(agent, run)  # nobody lost
     assert not run.done.done()
     lost.add("2")

@@ -175,7 +175,7 @@ def test_a_dead_workers_forks_and_the_contexts_it_passed_on_are_released_on_surv
     context = dist_autograd._new_context()
     rpc.rpc_sync("worker6", kf.add_on, args=("worker4", torch.ones(2, requires_grad=True)))
     # The checks below run outside it: a call made in it would make worker4 known to it here.
-    rpc.api._current().autograd.set_current(None)
+    dist_autograd.api._container().set_current(None)
     try:
         assert rpc.rpc_sync("worker4", kf.context_count) == 1
         killed = _kill(group, 6)
@@ -217,7 +217,7 @@ def test_a_value_whose_dead_creator_never_made_it_fails_its_fetch_and_goes(group
 def test_contexts_of_a_dead_creator_are_released_on_survivors(group):
     """worker4 creates contexts that reach this worker, and is killed (runs last: the
     surviving workers are 0 and 4 by now)."""
-    container = rpc.api._current().autograd
+    container = rpc.api._current().hooks.contexts
     assert rpc.rpc_sync("worker4", kf.make_contexts_on, args=(["worker0"], 5)) == 5
     assert container.count() == 5
     killed = _kill(group, 4)

@@ -47,7 +47,7 @@ def state() -> dict:
     waiter's frames did)."""
     agent = rpc.api._current()
     gc.collect()
-    return {"contexts": agent.autograd.count(), "owned_rrefs": agent.rrefs.owned_count(),
+    return {"contexts": agent.hooks.contexts.count(), "owned_rrefs": agent.rrefs.owned_count(),
             "user_rrefs": len(agent.rrefs._users), "pending_calls": agent.outstanding()}
 
 

@@ -17,6 +17,12 @@ from .api import (
     get_gradients,
 )
 from .context import DistAutogradContext
+from .hooks import AutogradHooks
+from ..rpc.hooks import install_call_hooks
+
+# Every agent started from now on records into distributed autograd (as torch's
+# dist_autograd._init when RPC starts).
+install_call_hooks(AutogradHooks)
 
 
 def is_available() -> bool:

@@ -31,7 +31,7 @@ _agent = current.agent
 
 def _container() -> ContextContainer:
     try:
-        return _agent().autograd
+        return _agent().hooks.contexts  # (hooks.py, installed on every agent)
     except RuntimeError as exc:
         raise RpcError(f"distributed autograd needs RPC: {exc}") from None
 
@@ -89,7 +89,7 @@ def _get_debug_info() -> dict[str, str]:
 def _release_context(context_id: int) -> None:
     """Release a context here and, through cleanup messages, on every worker it reached."""
     agent = _agent()
-    context = agent.autograd.remove(context_id)
+    context = agent.hooks.contexts.remove(context_id)
     if context is None:
         raise RpcError(f"Could not find autograd context with id: {context_id}")
     cleanup.release_everywhere(agent, context)
@@ -111,7 +111,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             f"got {type(roots).__qualname__}"
         )
     agent = _agent()
-    container: ContextContainer = agent.autograd
+    container: ContextContainer = agent.hooks.contexts
     autograd_context = container.retrieve(context_id)
     if not roots:
         raise RpcError("No tensors provided for gradient computation.")
@@ -191,7 +191,7 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
     placement = _placement_back(agent, info.from_worker, info.in_response)
     args = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads, agent.rank if awaited else -1)
     if ticketed:
-        ticket = agent.autograd.new_message_id()
+        ticket = agent.hooks.contexts.new_message_id()
         run.expect(ticket, info.from_worker)
         _fail_if_lost(agent, run)
         args += (ticket, run.published, run.sink)
@@ -241,7 +241,7 @@ def _fail_if_lost(agent: Any, run: Pass) -> None:
     later does (Pass.peer_lost): forwarded gradients may be bound for it, and a worker that
     has not noticed the loss yet would send them into the void."""
     for worker in run.context._known_worker_ids():
-        if agent.endpoint.is_lost(str(worker)):
+        if agent.is_lost(worker):
             run.peer_lost(worker, RpcError("lost before the pass"))
             return
 
@@ -313,7 +313,7 @@ def _forward_gradients(route: tuple, grads: list, run: Pass, last: bool) -> None
     the pass sends none of its own."""
     agent = _agent()
     _, peer, message_id, in_response, _, _ = route
-    ticket = agent.autograd.new_message_id()
+    ticket = agent.hooks.contexts.new_message_id()
     run.forwards.append([ticket, route[0], peer])
     delegated = None
     if last:
@@ -375,7 +375,7 @@ def _accept_gradients(agent: Any, context_id: int, message_id: int, pass_id: int
     and whether it is new. Gradients riding on an answer never start a pass: the pass that
     asked is here, or was superseded (they are then dropped with an error)."""
     try:
-        ctx = agent.autograd.retrieve(context_id)
+        ctx = agent.hooks.contexts.retrieve(context_id)
         ctx.send_function(message_id)  # a clear error for an unknown message id
         with _pass_lock:
             run = ctx.current_pass

@@ -105,7 +105,7 @@ def release_everywhere(agent: Any, context: Any, skip: int = -1) -> None:
     send = functools.partial(_send_batch, agent)
     for worker in sorted(context._known_worker_ids()):
         if worker not in (agent.rank, skip):  # not back to whoever told us
-            agent.autograd.cleanups.add(worker, [context.context_id], send)
+            agent.hooks.contexts.cleanups.add(worker, [context.context_id], send)
 
 
 def release_here(agent: Any, context_ids: list, from_worker: int) -> None:
@@ -117,7 +117,7 @@ def release_here(agent: Any, context_ids: list, from_worker: int) -> None:
 def remove_here(agent: Any, context_ids: list) -> list:
     """The first half of ``release_here``: forget the contexts here (what code running here
     can observe), returning those that were here, for ``pass_on``."""
-    remove = agent.autograd.remove
+    remove = agent.hooks.contexts.remove
     return [context for context_id in context_ids if (context := remove(context_id)) is not None]
 
 

@@ -44,10 +44,7 @@ from .serialization import (
     CallablePolicy, RpcCodec, decode_exception, encode_exception, encode_function, protocol_function, resolve_function,
 )
 from .. import timers
-from ..autograd import cleanup
-from ..autograd import engine as autograd_engine
-from ..autograd import forward as autograd_forward
-from ..autograd.context import ContextContainer
+from .hooks import CallHooks, OutgoingCall, make_call_hooks
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +282,8 @@ class Agent:
         self.misdirected_answers = 0  # answers from a peer other than the one asked (dropped)
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}", init_thread=adopt_torch_thread_settings)
         self.rrefs = RRefContext(self)
-        self.autograd = ContextContainer(self.rank)  # distributed autograd contexts
+        # What the layers above add to calls (distributed autograd: rpc/hooks.py).
+        self.hooks: CallHooks = make_call_hooks(self)
         self.codec.add_extension(Extension(EXT_RREF, RRef, self.rrefs.encode, self.rrefs.decode))
         self.endpoint = Endpoint(
             str(self.rank),
@@ -378,6 +376,10 @@ class Agent:
 
     # ---------------------------------------------------------------------------- lookup
 
+    def is_lost(self, worker: int) -> bool:
+        """Whether the connection to ``worker`` was lost (it will not come back)."""
+        return self.endpoint.is_lost(str(worker))
+
     def worker_info(self, to: Any) -> WorkerInfo:
         if isinstance(to, WorkerInfo):
             info = self.workers_by_id.get(to.id)
@@ -434,14 +436,11 @@ class Agent:
         # The arguments go as a list: the callee only unpacks them (a tuple would cost an
         # extension type each way; tuples inside them stay tuples).
         payload = {"f": encode_function(function), "a": list(args or ()), "k": dict(kwargs or {})}
-        autograd = autograd_forward.request_metadata(self.autograd, message_type, function, args, kwargs)
-        if autograd is not None:
-            payload["ag"] = autograd
-            message_type = MessageType.FORWARD_AUTOGRAD_REQ
-        # Context releases waiting for this worker ride along (autograd/cleanup.py).
-        releases = self.autograd.cleanups.take(info.id) if self.endpoint.faults is None else None
-        if releases is not None:
-            payload["rc"] = releases[1]
+        hooks = self.hooks
+        # Deferred work rides on calls only without fault injection (which may drop it).
+        outgoing = hooks.call_leaving(info.id, message_type, function, args, kwargs, payload, self.endpoint.faults is None)
+        if outgoing is not None:
+            message_type = outgoing.message_type
         timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
         if posted is not None:
             future = _PostedCall(*posted)
@@ -452,7 +451,7 @@ class Agent:
         pending = _Pending(future, info, timeout)
         with self._lock:
             if self._stopping:
-                self._give_back(info, releases)
+                self._not_sent(info, outgoing)
                 raise RpcError("RPC is shutting down on this worker")
             self._pending[message_id] = pending
             if barrier:
@@ -463,36 +462,33 @@ class Agent:
             # Cancelled when the call completes (_take); one that completes before the timer
             # is set here leaves a timer that fires, finds nothing, and is gone.
             pending.timer = timers.call_later(timeout, self._expire, message_id)
-        tensors = [] if autograd is not None else None  # only recording needs them
+        tensors = [] if outgoing is not None and outgoing.collect_tensors else None  # only hooks need them
         try:
             frames = self._encode_to(info, message, tensors, placement)
-            if autograd is not None and not sync:
-                autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
+            if outgoing is not None and not sync:
+                hooks.call_recorded(info.id, outgoing, tensors, False)
             self._transmit(info, message, frames)
         except BaseException as exc:
             self._claim(message_id)  # never sent: nothing will complete it
-            self._give_back(info, releases)
+            self._not_sent(info, outgoing)
             if isinstance(exc, (TransportError, SerializationError)):
                 raise _with_context(exc, f"cannot send a call to {info}") from None
             raise
-        if autograd is not None and sync:
-            # Recorded while the call is on its way: nothing needs the send function before
-            # this thread's wait for the answer ends (a backward pass over it starts after
-            # that, on this thread), and the recording then costs no latency. Other calls
-            # record first: their answer may start a pass on another thread at once.
+        if outgoing is not None and sync:
+            # Recorded while the call is on its way: nothing needs distributed autograd's send
+            # function before this thread's wait for the answer ends (a backward pass over it
+            # starts after that, on this thread), and the recording then costs no latency.
+            # Other calls record first: their answer may start a pass on another thread at once.
             try:
-                context = autograd_forward.record_send(self.autograd, autograd, tensors, info.id)
+                hooks.call_recorded(info.id, outgoing, tensors, True)
             except BaseException:
                 self._claim(message_id)  # its answer, when it comes, is dropped
                 raise
-            if context is not None:  # its part of the caller's plan, while the call travels too
-                autograd_engine.prepare_part(context, autograd[1])
         return future
 
-    def _give_back(self, info: WorkerInfo, releases: tuple | None) -> None:
-        """Releases that were to ride on a request that did not leave go with the next one."""
-        if releases is not None:
-            self.autograd.cleanups.add(info.id, releases[1], releases[0])
+    def _not_sent(self, info: WorkerInfo, outgoing: OutgoingCall | None) -> None:
+        if outgoing is not None:
+            self.hooks.call_not_sent(info.id, outgoing)
 
     def _encode_to(self, info: WorkerInfo, message: Message, tensors: list | None,
                    placement: Placement | None) -> list:
@@ -693,14 +689,13 @@ class Agent:
         return self._response_value(Message(envelope.type, envelope.id, envelope.sender, payload, tensors), to)
 
     def _response_value(self, message: Message, to: WorkerInfo) -> tuple[Any, BaseException | None]:
-        """A response's value or error; an answer that carries autograd metadata gets its
-        recv function first."""
+        """A response's value or error; a hooked answer goes through the hooks first."""
         payload = message.payload
         if message.type is MessageType.EXCEPTION:
             return None, decode_exception(payload["exc"], repr(to))
-        if message.type is MessageType.FORWARD_AUTOGRAD_RESP and payload.get("ag") is not None:
+        if message.type is MessageType.FORWARD_AUTOGRAD_RESP:
             try:
-                autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], to.id, response=True)
+                self.hooks.answer_arrived(to.id, payload, message.tensors or [])
             except Exception as exc:
                 return None, SerializationError(f"cannot record the autograd metadata of the response from {to}: {exc}")
         return payload["v"], None
@@ -726,52 +721,26 @@ class Agent:
         self._serving.set()
 
     def _serve(self, message: Message) -> None:
-        """Run a call on a pool thread and send its result or exception back. A call recorded
-        by distributed autograd runs with its context current (nested calls carry it on)."""
+        """Run a call on a pool thread and send its result or exception back."""
         if not self._serving.is_set():
             self._serving.wait(self.endpoint.options.connect_timeout)
-        payload = message.payload
-        releases = payload.get("rc") if type(payload) is dict else None  # rode along (autograd/cleanup.py)
-        removed = self._run_call(message, releases)
-        if releases is not None:
-            self._release_riding(message.sender, releases, removed)
+        served = self._run_call(message)
+        if served is not None:
+            try:
+                self.hooks.call_answered(served)
+            except Exception:  # noqa: BLE001 - never the call's failure
+                log.exception("%s: the hooks failed after call %d from %s", self.info, message.id, message.sender)
 
-    def _release_riding(self, sender: str, releases: Any, removed: list | None = None) -> None:
-        """Apply the context releases that rode on a call from ``sender`` (autograd/cleanup.py):
-        all of it, or, given what ``_remove_riding`` removed before the call ran, the rest."""
+    def _run_call(self, message: Message) -> Any:
+        """Run the call and answer it; returns the hooks' state for it (rpc/hooks.py), for
+        ``call_answered``. An async function is answered when its future completes."""
+        hooks = self.hooks
+        served = function = None
         try:
-            if removed is None:
-                cleanup.release_here(self, releases, int(sender))
-            else:
-                cleanup.pass_on(self, removed, int(sender))
-        except Exception:  # noqa: BLE001 - never the call's failure
-            log.exception("%s: releasing the contexts %s from %s failed", self.info, releases, sender)
-
-    def _remove_riding(self, sender: str, releases: Any) -> list:
-        """The first half of ``_release_riding``, before a Python function runs: remove the
-        contexts here (what it can observe); returns those removed."""
-        try:
-            return cleanup.remove_here(self, releases)
-        except Exception:  # noqa: BLE001 - never the call's failure
-            log.exception("%s: releasing the contexts %s from %s failed", self.info, releases, sender)
-            return []
-
-    def _run_call(self, message: Message, releases: Any) -> list | None:
-        """Run the call and answer it. The context ``releases`` that rode on it are of
-        contexts the caller left before it made the call, so the call is in none of them; a
-        Python function might look for them though (wait until they are gone): those are
-        removed here before it runs (returned, for the caller to pass on and drop after the
-        answer left), else None and the caller applies them after the answer left: then they
-        cost the call no latency."""
-        context = function = removed = None
-        try:
+            served = hooks.call_arrived(message)
             payload = message.payload
-            if message.type is MessageType.FORWARD_AUTOGRAD_REQ:
-                context = autograd_forward.record_recv(self.autograd, payload["ag"], message.tensors or [], int(message.sender))
             function = resolve_function(payload["f"], self.codec.policy)
-            if releases is not None and not isinstance(function, autograd_forward.BUILTIN_TYPES):
-                removed = self._remove_riding(message.sender, releases)
-            previous = self.autograd.set_current(context)
+            token = hooks.call_starts(served, function)
             calls = current._calls
             caller = getattr(calls, "rank", None)
             # Who asked: its connection's name (current.caller); None for a peer that is no
@@ -781,53 +750,54 @@ class Agent:
             try:
                 result = function(*payload["a"], **payload["k"])
             finally:
-                self.autograd.set_current(previous)
+                hooks.call_ends(token)
                 calls.rank = caller
             if is_async_function(function):
                 check_async_result(function, result)
                 if not result.done():
                     # Answer when it completes; no thread waits for it meanwhile.
-                    result.add_done_callback(lambda done: self._answer_with(message, done, context))
-                    return removed
+                    result.add_done_callback(lambda done: self._answer_with(message, done, served))
+                    return served
         except BaseException as exc:  # a user's sys.exit() too: answered, never this thread's end
             exc = user_error(exc)
             if function is not None:
                 exc = as_operator_error(function, exc)
-            self._reply(message, None, exc, context)
-            return removed
+            self._reply(message, None, exc, served)
+            return served
         if is_async_function(function):  # and done already (a backward pass that ran to its end here)
-            self._answer_with(message, result, context)
+            self._answer_with(message, result, served)
         else:
-            self._reply(message, result, None, context)
-        return removed
+            self._reply(message, result, None, served)
+        return served
 
-    def _answer_with(self, request: Message, done: torch.futures.Future, context: Any) -> None:
+    def _answer_with(self, request: Message, done: torch.futures.Future, served: Any) -> None:
         try:
             value = done.value()
         except Exception as exc:
-            self._reply(request, None, exc, context)
+            self._reply(request, None, exc, served)
             return
-        self._reply(request, value, None, context)
+        self._reply(request, value, None, served)
 
-    def _reply(self, request: Message, value: Any, error: BaseException | None, context: Any) -> None:
-        """Send a call's result (or its error) back to the caller. The result of a call that
-        distributed autograd recorded is recorded too (its tensors may require grad)."""
+    def _reply(self, request: Message, value: Any, error: BaseException | None, served: Any) -> None:
+        """Send a call's result (or its error) back to the caller; the hooks may add to a
+        result (distributed autograd records it: its tensors may require grad)."""
         to = request.sender
         me = self._me
         if request.payload.get("n"):  # one-way (notify): nobody waits for an answer
             if error is not None:
                 log.warning("%s: one-way %s from %s failed: %s", self.info, request.type.name, to, error)
             return
+        hooked = None
         if error is not None:
             reply = Message(MessageType.EXCEPTION, request.id, me, {"exc": encode_exception(error)})
-            context = None
-        elif context is not None:
-            metadata = autograd_forward.response_metadata(self.autograd, context)
-            reply = Message(MessageType.FORWARD_AUTOGRAD_RESP, request.id, me, {"v": value, "ag": metadata})
         else:
-            reply = Message(REQUEST_TYPES[request.type], request.id, me, {"v": value})
+            hooked = self.hooks.answer_payload(served, value)
+            if hooked is not None:
+                reply = Message(hooked[0], request.id, me, hooked[1])
+            else:
+                reply = Message(REQUEST_TYPES[request.type], request.id, me, {"v": value})
         try:
-            tensors = [] if context is not None else None  # only recording needs them
+            tensors = [] if hooked is not None else None  # only the hooks need them
             caller = self.workers_by_id.get(int(to)) if to.isdigit() else None
             frames = self._encode(caller.id if caller else None, reply, tensors,
                                   self.placement.response(caller.name if caller else to), self._cuda_ipc_to(to))
@@ -836,16 +806,11 @@ class Agent:
             # that as its error.
             self._reply(request, None, SerializationError(f"the result of the call could not be sent back: {exc}"), None)
             return
+        if hooked is not None:
+            self.hooks.answer_leaving(served, reply.payload, int(to), to == me, tensors)
         if to == me:
-            # Completing it here may run the caller's callbacks, on this thread: record first.
-            if context is not None:
-                autograd_forward.record_send(self.autograd, metadata, tensors, int(to))
             self._complete(self._loopback(frames))
             return
-        if context is not None:
-            # Its send function is recorded while the answer travels (it costs the answer no
-            # latency); a pass that needs it meanwhile waits for it (context.expect_send).
-            context.expect_send(metadata[1])
         try:
             if self.pool.should_hold() and not self.endpoint.through_shared_memory(to):
                 # More calls wait for this thread: the answer leaves with theirs (pool.py,
@@ -855,26 +820,8 @@ class Agent:
             else:
                 self._send_answer(to, reply.id, frames, reply.type)
         finally:
-            if context is not None:
-                self._record_answer(context, metadata, tensors, to)
-        if context is not None and self.pool.owns_current_thread():
-            # While the caller computes (engine.py); not on other threads (an async
-            # function's answer may be sent from a timer's or another call's callback).
-            # Calls waiting here go first: the plan is built after them (the caller's next
-            # call may well be one of them, sent as soon as this answer arrived).
-            if not self.pool.has_work():
-                autograd_engine.prepare_plan(context)
-            elif context.plan_cache is None:
-                self.pool.submit(autograd_engine.prepare_plan, context)
-
-    def _record_answer(self, context: Any, metadata: list, tensors: list, to: str) -> None:
-        """The send function of an answer that left (see ``_reply``)."""
-        try:
-            autograd_forward.record_send(self.autograd, metadata, tensors, int(to))
-        except Exception:  # noqa: BLE001 - the answer is gone; a pass over it reports the missing node
-            log.exception("%s: recording the answer to %s in autograd context %d failed", self.info, to, metadata[0])
-        finally:
-            context.send_recorded(metadata[1])
+            if hooked is not None:
+                self.hooks.answer_left(served, reply.payload, int(to), tensors)
 
     def _send_answer(self, to: str, message_id: int, frames: list, message_type: MessageType) -> None:
         try:
@@ -929,17 +876,7 @@ class Agent:
             self._release_arrivals(PeerLostError(peer, f"shutdown: {error}"))
         if not peer.isdigit():  # workers are named by rank; anything else is no member
             return
-        # Passes waiting for that worker's report fail; contexts it created here can never be
-        # released by it any more.
-        self.autograd.peer_lost(int(peer), error)
-        orphans = self.autograd.release_created_by(int(peer), PeerLostError(peer, f"creator lost: {error}"))
-        if orphans:
-            log.warning("%s: released %d autograd context(s) of lost worker %s", self.info, orphans, peer)
-        # Contexts that only lost workers could still release (it passed them on to us).
-        stranded = self.autograd.release_unreachable(
-            lambda worker: self.endpoint.is_lost(str(worker)), PeerLostError(peer, f"released: {error}"))
-        if stranded:
-            log.warning("%s: released %d autograd context(s) that only lost workers reached", self.info, stranded)
+        self.hooks.peer_lost(int(peer), error)  # (distributed autograd: its passes and contexts)
         # Forks it held of our values, and our RRefs kept for it (rref.py).
         self.rrefs.peer_lost(int(peer), error)
 
@@ -1020,7 +957,7 @@ class Agent:
         included; False on timeout."""
         if not self.rrefs.flush_releases(timeout):
             return False
-        self.autograd.cleanups.flush()  # context releases waiting for their batch
+        self.hooks.flush()  # what waits to ride on later calls
         with self._lock:
             self._done_waiters += 1
             try:

@@ -201,12 +201,10 @@ def _rref_context_get_debug_info() -> dict[str, str]:
 def _get_debug_info() -> dict[str, str]:
     """torch's ``rpc._get_debug_info()``: the RRef counters, the agent's and distributed
     autograd's, in one dict (their keys do not overlap)."""
-    from ..autograd import _get_debug_info as autograd_debug_info  # (autograd imports this package)
-
     agent = _current()
     info = agent.rrefs.debug_info()
     info.update(agent.get_debug_info())
-    info.update(autograd_debug_info())
+    info.update(agent.hooks.debug_info())  # distributed autograd's
     return info
 
 

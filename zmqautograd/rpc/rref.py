@@ -718,9 +718,7 @@ def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
     if context_id == -1:
         torch.autograd.backward(value, retain_graph=retain_graph)
         return
-    from ..autograd import api as dist_autograd  # the autograd layer builds on this one
-
-    dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
+    _context().agent.hooks.backward(context_id, [value], retain_graph)  # distributed autograd's
 
 
 @protocol_function

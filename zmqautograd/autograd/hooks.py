@@ -1,0 +1,196 @@
+"""Distributed autograd's call hooks: what it adds to every RPC (rpc/hooks.py, ``CallHooks``).
+
+Around calls and answers it records the forward pass (forward.py); context releases waiting
+for a worker ride on the next call to it (cleanup.py); a lost worker fails the passes and
+releases the contexts that waited for it. ``zmqautograd.autograd`` installs these hooks on
+import, so every agent started afterwards has them (as torch's ``dist_autograd._init``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from zmqautograd.transport import Message, MessageType, PeerLostError
+
+from ..rpc.hooks import OutgoingCall
+from . import cleanup
+from .context import ContextContainer
+from .engine import prepare_part, prepare_plan
+from .forward import BUILTIN_TYPES, record_recv, record_send, request_metadata, response_metadata
+
+log = logging.getLogger(__name__)
+
+
+class _Served:
+    """A call being served: its context (None if it was not recorded), the context releases
+    that rode on it and those already removed before it ran, and its answer's metadata."""
+
+    __slots__ = ("sender", "context", "releases", "removed", "metadata")
+
+    def __init__(self, sender: str, context: Any, releases: Any) -> None:
+        self.sender = sender
+        self.context = context
+        self.releases = releases
+        self.removed: list | None = None
+        self.metadata: list | None = None
+
+
+class AutogradHooks:
+    """One agent's distributed autograd: its contexts and the hooks that record into them."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.contexts = ContextContainer(agent.rank)
+
+    # ------------------------------------------------------------------ calls we make
+
+    def call_leaving(self, to: int, message_type: MessageType, function: Any, args: Any, kwargs: Any,
+                     payload: dict, batching: bool) -> OutgoingCall | None:
+        metadata = request_metadata(self.contexts, message_type, function, args, kwargs)
+        # Context releases waiting for this worker ride along (cleanup.py).
+        releases = self.contexts.cleanups.take(to) if batching else None
+        if metadata is None and releases is None:
+            return None
+        if metadata is not None:
+            payload["ag"] = metadata
+            message_type = MessageType.FORWARD_AUTOGRAD_REQ
+        if releases is not None:
+            payload["rc"] = releases[1]
+        return OutgoingCall(message_type, metadata is not None, (metadata, releases))
+
+    def call_recorded(self, to: int, outgoing: OutgoingCall, tensors: list, sync: bool) -> None:
+        metadata = outgoing.state[0]
+        if metadata is None:
+            return
+        context = record_send(self.contexts, metadata, tensors, to)
+        if sync and context is not None:  # its part of the caller's plan, while the call travels
+            prepare_part(context, metadata[1])
+
+    def call_not_sent(self, to: int, outgoing: OutgoingCall) -> None:
+        """Releases that were to ride on a call that did not leave go with the next one."""
+        releases = outgoing.state[1]
+        if releases is not None:
+            self.contexts.cleanups.add(to, releases[1], releases[0])
+
+    def answer_arrived(self, sender: int, payload: dict, tensors: list) -> None:
+        if payload.get("ag") is not None:
+            record_recv(self.contexts, payload["ag"], tensors, sender, response=True)
+
+    # ------------------------------------------------------------------ calls we serve
+
+    def call_arrived(self, message: Message) -> _Served | None:
+        payload = message.payload
+        releases = payload.get("rc") if type(payload) is dict else None  # rode along (cleanup.py)
+        context = None
+        if message.type is MessageType.FORWARD_AUTOGRAD_REQ:
+            try:
+                context = record_recv(self.contexts, payload["ag"], message.tensors or [], int(message.sender))
+            except BaseException:
+                if releases is not None:
+                    self._release_riding(message.sender, releases, None)
+                raise
+        if context is None and releases is None:
+            return None
+        return _Served(message.sender, context, releases)
+
+    def call_starts(self, served: _Served | None, function: Any) -> Any:
+        """The call's context becomes current (nested calls carry it on). The releases that
+        rode on it are of contexts the caller left before it made the call, so the call is in
+        none of them; a Python function might look for them though (wait until they are
+        gone): those are removed before it runs, the rest after the answer left, when they
+        cost the call no latency."""
+        if served is None:
+            return self.contexts.set_current(None)
+        if served.releases is not None and not isinstance(function, BUILTIN_TYPES):
+            served.removed = self._remove_riding(served.sender, served.releases)
+        return self.contexts.set_current(served.context)
+
+    def call_ends(self, token: Any) -> None:
+        self.contexts.set_current(token)
+
+    def answer_payload(self, served: _Served | None, value: Any) -> tuple[MessageType, dict] | None:
+        """The result of a call that distributed autograd recorded is recorded too (its
+        tensors may require grad)."""
+        if served is None or served.context is None:
+            return None
+        served.metadata = response_metadata(self.contexts, served.context)
+        return MessageType.FORWARD_AUTOGRAD_RESP, {"v": value, "ag": served.metadata}
+
+    def answer_leaving(self, served: _Served, payload: dict, to: int, loopback: bool, tensors: list) -> None:
+        if loopback:  # completing it here may run the caller's callbacks, on this thread: record first
+            record_send(self.contexts, payload["ag"], tensors, to)
+        else:
+            # Its send function is recorded while the answer travels (it costs the answer no
+            # latency); a pass that needs it meanwhile waits for it (context.expect_send).
+            served.context.expect_send(payload["ag"][1])
+
+    def answer_left(self, served: _Served, payload: dict, to: int, tensors: list) -> None:
+        metadata = payload["ag"]
+        try:
+            record_send(self.contexts, metadata, tensors, to)
+        except Exception:  # noqa: BLE001 - the answer is gone; a pass over it reports the missing node
+            log.exception("%s: recording the answer to %s in autograd context %d failed", self.agent.info, to, metadata[0])
+        finally:
+            served.context.send_recorded(metadata[1])
+        pool = self.agent.pool
+        if pool.owns_current_thread():
+            # While the caller computes (engine.py); not on other threads (an async
+            # function's answer may be sent from a timer's or another call's callback).
+            # Calls waiting here go first: the plan is built after them (the caller's next
+            # call may well be one of them, sent as soon as this answer arrived).
+            if not pool.has_work():
+                prepare_plan(served.context)
+            elif served.context.plan_cache is None:
+                pool.submit(prepare_plan, served.context)
+
+    def call_answered(self, served: _Served | None) -> None:
+        if served is not None and served.releases is not None:
+            self._release_riding(served.sender, served.releases, served.removed)
+
+    def _release_riding(self, sender: str, releases: Any, removed: list | None) -> None:
+        """Apply the context releases that rode on a call from ``sender``: all of them, or,
+        given those removed before the call ran, pass those on."""
+        try:
+            if removed is None:
+                cleanup.release_here(self.agent, releases, int(sender))
+            else:
+                cleanup.pass_on(self.agent, removed, int(sender))
+        except Exception:  # noqa: BLE001 - never the call's failure
+            log.exception("%s: releasing the contexts %s from %s failed", self.agent.info, releases, sender)
+
+    def _remove_riding(self, sender: str, releases: Any) -> list:
+        try:
+            return cleanup.remove_here(self.agent, releases)
+        except Exception:  # noqa: BLE001 - never the call's failure
+            log.exception("%s: releasing the contexts %s from %s failed", self.agent.info, releases, sender)
+            return []
+
+    # ------------------------------------------------------------------ the group
+
+    def peer_lost(self, peer: int, error: BaseException) -> None:
+        """Passes waiting for that worker's report fail; contexts it created here can never be
+        released by it any more, nor those only lost workers could still release."""
+        name = str(peer)
+        self.contexts.peer_lost(peer, error)
+        orphans = self.contexts.release_created_by(peer, PeerLostError(name, f"creator lost: {error}"))
+        if orphans:
+            log.warning("%s: released %d autograd context(s) of lost worker %s", self.agent.info, orphans, peer)
+        is_lost = self.agent.is_lost
+        stranded = self.contexts.release_unreachable(is_lost, PeerLostError(name, f"released: {error}"))
+        if stranded:
+            log.warning("%s: released %d autograd context(s) that only lost workers reached", self.agent.info, stranded)
+
+    def flush(self) -> None:
+        self.contexts.cleanups.flush()  # context releases waiting for their batch
+
+    def debug_info(self) -> dict[str, str]:
+        return {
+            "num_current_backward_passes": str(self.contexts.active_passes()),
+            "num_autograd_contexts": str(self.contexts.count()),
+        }
+
+    def backward(self, context_id: int, roots: list, retain_graph: bool) -> None:
+        from .api import backward  # (api imports the engine; these hooks are imported first)
+
+        backward(context_id, roots, retain_graph=retain_graph)
