@@ -42,6 +42,7 @@ class AutogradHooks:
     def __init__(self, agent: Any) -> None:
         self.agent = agent
         self.contexts = ContextContainer(agent.rank)
+        self._local = self.contexts._local  # the current context, per thread (served calls switch it)
 
     # ------------------------------------------------------------------ calls we make
 
@@ -100,14 +101,18 @@ class AutogradHooks:
         none of them; a Python function might look for them though (wait until they are
         gone): those are removed before it runs, the rest after the answer left, when they
         cost the call no latency."""
+        local = self._local
+        previous = local.context
         if served is None:
-            return self.contexts.set_current(None)
+            local.context = None
+            return previous
         if served.releases is not None and not isinstance(function, BUILTIN_TYPES):
             served.removed = self._remove_riding(served.sender, served.releases)
-        return self.contexts.set_current(served.context)
+        local.context = served.context
+        return previous
 
     def call_ends(self, token: Any) -> None:
-        self.contexts.set_current(token)
+        self._local.context = token
 
     def answer_payload(self, served: _Served | None, value: Any) -> tuple[MessageType, dict] | None:
         """The result of a call that distributed autograd recorded is recorded too (its

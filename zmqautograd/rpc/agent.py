@@ -791,7 +791,7 @@ class Agent:
         if error is not None:
             reply = Message(MessageType.EXCEPTION, request.id, me, {"exc": encode_exception(error)})
         else:
-            hooked = self.hooks.answer_payload(served, value)
+            hooked = self.hooks.answer_payload(served, value) if served is not None else None
             if hooked is not None:
                 reply = Message(hooked[0], request.id, me, hooked[1])
             else:

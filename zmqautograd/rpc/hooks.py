@@ -43,7 +43,8 @@ class CallHooks(Protocol):
 
     For a call this worker serves: ``call_arrived`` → ``call_starts`` → the function →
     ``call_ends`` → ``answer_payload`` → ``answer_leaving`` → sent → ``answer_left`` →
-    ``call_answered``. Peers lost and shutdown: ``peer_lost``, ``flush``."""
+    ``call_answered``; where ``call_arrived`` returned None only ``call_starts`` and
+    ``call_ends`` are called. Peers lost and shutdown: ``peer_lost``, ``flush``."""
 
     # ------------------------------------------------------------------ calls we make
 
