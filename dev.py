@@ -2,7 +2,8 @@
 """The project's commands, runnable on a fresh machine that has only Python 3.10+.
 
     python3 dev.py demo             # a model split over 3 workers, trained from a driver (dist autograd)
-    python3 dev.py test             # the whole test suite
+    python3 dev.py test             # ruff, mypy, then the whole test suite (arguments: pytest's only)
+    python3 dev.py lint / types     # ruff / mypy alone
     python3 dev.py bench            # zmqautograd.rpc next to torch.distributed.rpc (TensorPipe)
     python3 dev.py bench-transport  # the transport next to raw pyzmq
     python3 dev.py pingpong         # tensors out and back over the transport
@@ -60,6 +61,8 @@ def main() -> int:
     commands = {
         "demo": [PYTHON, "tools/demo.py"],
         "test": [PYTHON, "-m", "pytest", "-q", *sys.argv[2:]],
+        "lint": [PYTHON, "-m", "ruff", "check", "."],
+        "types": [PYTHON, "-m", "mypy"],
         "bench": [PYTHON, "tools/bench.py", *sys.argv[2:]],
         "bench-transport": [PYTHON, "tools/bench_transport.py", *sys.argv[2:]],
         "pingpong": [PYTHON, "tools/pingpong.py"],
@@ -71,6 +74,12 @@ def main() -> int:
     ensure_venv()
     if sys.argv[1] == "bench":
         ensure_bench_extras()
+    if sys.argv[1] == "test" and len(sys.argv) == 2:  # the whole suite: lint and types first
+        for step in ("lint", "types"):
+            print(f"{step}: {' '.join(str(a) for a in commands[step][1:])}", flush=True)
+            if subprocess.run([str(a) for a in commands[step]], cwd=ROOT).returncode != 0:
+                print(f"{step} failed", flush=True)
+                return 1
     return subprocess.run([str(a) for a in commands[sys.argv[1]]], cwd=ROOT).returncode
 
 

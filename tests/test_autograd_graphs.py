@@ -38,7 +38,7 @@ def test_three_stage_pipeline_mlp_matches_local_autograd(group):
     for i, (name, worker) in enumerate(zip(NAMES, workers)):
         rpc.rpc_sync(worker, af.make_stage, args=(name, i, WIDTH))
     local = []
-    for i, name in enumerate(NAMES):
+    for i in range(len(NAMES)):
         torch.manual_seed(i)
         local.append(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()))
     x = torch.randn(5, WIDTH, requires_grad=True)
@@ -257,7 +257,7 @@ def test_leaf_post_hooks_run_once_per_pass_with_the_leafs_whole_gradient(group):
     here.seen = []
     with dist_autograd.context() as context_id:
         loss = forward(here.tensor, lambda x: rpc.rpc_sync("worker1", af.matmul_hooked, args=("w", x)))
-        for passes in (1, 2):  # each pass runs the hooks once, with that pass's gradient
+        for _passes in (1, 2):  # each pass runs the hooks once, with that pass's gradient
             dist_autograd.backward(context_id, [loss], retain_graph=True)
             assert len(here.seen) == 1
             torch.testing.assert_close(here.seen.pop(), expected_here[0])
@@ -305,7 +305,7 @@ def test_leaf_tensor_hooks_run_once_per_pass_on_the_leafs_whole_gradient(group):
     here.seen = []
     with dist_autograd.context() as context_id:
         loss = _hooked_forward(here.tensor, lambda x: rpc.rpc_sync("worker1", af.matmul_hooked, args=("tw", x)))
-        for passes in (1, 2):
+        for _passes in (1, 2):
             dist_autograd.backward(context_id, [loss], retain_graph=True)
             assert len(here.tensor_seen) == 1 and len(here.seen) == 1
             torch.testing.assert_close(here.tensor_seen.pop(), expected_here)

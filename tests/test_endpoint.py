@@ -447,7 +447,7 @@ def _openmp_threads_of_handler_threads(results) -> None:
             name = f"omp-server-{inline}"
 
             def report(message: Message, name=name) -> None:
-                servers[name].send(message.sender, Message(MessageType.PYTHON_RET, message.id, name, openmp_max_threads()))
+                servers[name].send(message.sender, Message(MessageType.PYTHON_RET, message.id, name, openmp_max_threads()))  # noqa: B023 - servers is bound before any message arrives
 
             servers = {name: Endpoint(name, on_message=report, inline_handlers=inline)}
             client = Endpoint(f"omp-client-{inline}")

@@ -523,7 +523,7 @@ def test_pool_threads_use_the_intra_op_thread_count_set_before_init_rpc():
     assert all(count != "error" for _, count, _, _ in got), got
     if any(served is None for _, _, served, _ in got):
         pytest.skip("torch uses no GNU or Intel OpenMP runtime here")
-    for rank, count, served, nested in got:
+    for _rank, count, served, nested in got:
         assert served == count and nested == count, got
 
 

@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 
-from tools import delivery, floor, machine, ports, shm_floor
+from tools import floor, machine, ports, shm_floor
 
 
 @pytest.mark.timeout(60)
@@ -152,43 +152,6 @@ def test_after_sleep_times_the_same_backward_warm_and_after_a_nap():
     assert 0 < warm < 0.005 and 0 < slept < 0.005
 
 
-@pytest.mark.timeout(60)
-def test_delivery_delays_count_each_read_from_its_earliest_new_write():
-    """tools/delivery.py's matching: a read takes what was written since the previous read of
-    that ring, and its delay counts from the earliest of it, classified by the reader's state
-    at that write and by the reading thread; reads outside the window, or that find nothing
-    new, count for nothing."""
-    traces = {
-        "0": ([(1_000, "1", True), (5_000, "1", False), (5_200, "1", True), (15_000, "1", False)],
-              [(3_000, "1", "MainThread")]),
-        "1": ([(2_000, "0", True)],
-              [(1_500, "0", "rpc-worker1-0"), (9_000, "0", "zmq-io-1"), (9_500, "0", "zmq-io-1"),
-               (20_000, "0", "rpc-worker1-0")]),
-    }
-    found = delivery.delays(traces, 0, 10_000)
-    assert dict(found) == {
-        ("0", "1", "spinning", "waiting thread"): [0.5],
-        ("0", "1", "asleep", "I/O thread"): [4.0],  # from 5,000, not 5,200
-        ("1", "0", "spinning", "waiting thread"): [1.0],
-    }
-    printed = delivery.table(found, 2, 100.0)
-    assert "worker0 -> worker1" in printed and "in all: 3 us a step waiting for delivery (3% of a step)" in printed
-
-
-@pytest.mark.timeout(180)
-def test_delivery_traces_a_one_hop_step():
-    """tools/delivery.py on real processes: it still finds the endpoint's ring functions it
-    wraps, and the messages of every step are read, both ways (two each way a step: some
-    reads may take two at once)."""
-    steps = 30
-    step_us, found = delivery.measure(pipeline=False, steps=steps, warmup=10)
-    assert step_us > 0
-    for sender, receiver in (("0", "1"), ("1", "0")):
-        reads = [delay for key, delays in found.items() if key[:2] == (sender, receiver) for delay in delays]
-        assert len(reads) >= steps, (sender, receiver, len(reads))
-        assert all(delay >= 0 for delay in reads)
-
-
 @pytest.mark.timeout(30)
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range(monkeypatch):
     """tools/ports.py: no port handed out twice, none from the range connect() draws its
@@ -203,71 +166,6 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range(monkeypa
     monkeypatch.setattr(ports, "ephemeral_start", lambda: 20500)  # a range below too small
     assert ports.free_port() >= start  # the kernel's own choice, from its ephemeral range
 
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("switch", ["outcome", "engine-past-send"])
-def test_the_in_launch_ab_runs_both_sides_of_a_switch(switch):
-    """tools/ab_inlaunch.py: a short one-hop run with each switch: both sides run (the
-    steps check their gradients) and the line it prints holds a ratio per round."""
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, os.path.join(root, "tools", "ab_inlaunch.py"), "hop", switch,
-                           "--rounds", "2", "--steps", "20"], capture_output=True, text=True, timeout=110)
-    assert done.returncode == 0, done.stderr[-2000:]
-    line = [line for line in done.stdout.splitlines() if line.startswith(f"hop, {switch}:")]
-    assert len(line) == 1 and line[0].endswith("of 2 below 1"), done.stdout
-
-
-def _phase_rows(lines: list) -> dict:
-    """tools/phases.py's table rows (after its heading), by phase: the row's other fields."""
-    return {line[:24].strip(): line[24:].split() for line in lines[1:]}
-
-
-def test_phases_table_takes_each_phase_median_over_launches():
-    """tools/phases.py's table: per phase, the median over launches of each framework, and
-    their ratio (pure: no processes)."""
-    from tools import phases
-
-    found = {"tp": [[1, 100, 2, 200, 3, 4, 310], [3, 300, 2, 400, 3, 4, 712], [2, 200, 2, 300, 3, 4, 511]],
-             "zmq": [[1, 50, 2, 600, 3, 4, 660], [1, 70, 2, 600, 3, 4, 680], [1, 60, 2, 600, 3, 4, 670]]}
-    lines = phases.table("hop", found)
-    assert len(lines) == 1 + 7  # the heading, six phases and the whole step
-    rows = _phase_rows(lines)
-    assert rows["rpc_sync"] == ["200.0", "us", "60.0", "us", "0.30x"]
-    assert rows["backward"] == ["300.0", "us", "600.0", "us", "2.00x"]
-    assert rows["whole step"][4] == "1.31x"  # 670 / 511
-
-
-def test_phases_table_shows_a_framework_not_measured_as_a_dash():
-    """tools/phases.py's table with ours alone (--frameworks zmq): TensorPipe's column and the
-    ratios are "-", ours keeps its figures."""
-    from tools import phases
-
-    rows = _phase_rows(phases.table("hop", {"zmq": [[1, 50, 2, 600, 3, 4, 660]]}))
-    assert rows["backward"] == ["-", "600.0", "us", "-"]
-    assert rows["whole step"] == ["-", "660.0", "us", "-"]
-
-
-@pytest.mark.timeout(180)
-def test_phases_runs_the_one_hop_step():
-    """tools/phases.py end to end, briefly, with ours alone (TensorPipe's init_rpc needs numpy,
-    which the test extras do not install): its group runs the one-hop step (which checks its
-    gradient) and every phase gets a figure."""
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, os.path.join(root, "tools", "phases.py"), "hop", "--steps", "20",
-                           "--launches", "1", "--frameworks", "zmq"], capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-2000:]
-    expected = ["enter", "rpc_sync", "loss", "backward", "get_gradients", "exit", "whole step"]
-    rows = [line for line in done.stdout.splitlines() if line[:24].strip() in expected]
-    assert [row[:24].strip() for row in rows] == expected, done.stdout
-    for row in rows:
-        tp, ours, unit, ratio = row[24:].split()
-        assert tp == "-" and ratio == "-" and unit == "us" and float(ours.replace(",", "")) > 0, row
 
 
 def test_kind_line_names_the_cpu_and_the_hypervisor():

@@ -171,7 +171,7 @@ def run(rank: int, tp_port: int, zmq_port: int, rounds: int, ratios) -> None:
         ]
         print(f"{'workload':<38}{'TensorPipe':>14}{'zmqautograd':>14}{'ratio':>8}{'stolen':>9}", flush=True)
         found = {}
-        for title, unit, scale, measure, kind in workloads:
+        for title, unit, scale, measure, _kind in workloads:
             for rpc, autograd in frameworks.values():
                 measure(rpc, autograd)  # warm-up
             samples = {name: [] for name in frameworks}

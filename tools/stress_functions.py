@@ -89,21 +89,21 @@ def one_step(kind: str, rng: random.Random, me: str, workers: list[str]) -> None
         except ValueError as exc:
             assert "expected" in str(exc)
     elif kind == "two hops":
-        _backward(lambda l: rpc.rpc_sync(b, stage, args=(rpc.rpc_sync(a, stage, args=(l, 0.5)), 2.0)).pow(2).sum(),
-                  lambda l: stage(stage(l, 0.5), 2.0).pow(2).sum(), leaf)
+        _backward(lambda t: rpc.rpc_sync(b, stage, args=(rpc.rpc_sync(a, stage, args=(t, 0.5)), 2.0)).pow(2).sum(),
+                  lambda t: stage(stage(t, 0.5), 2.0).pow(2).sum(), leaf)
     elif kind == "nested":
-        _backward(lambda l: rpc.rpc_sync(a, nested_stage, args=(l, 0.5, b)).sum(),
-                  lambda l: stage(stage(l, 0.5), 1.5).sum(), leaf)
+        _backward(lambda t: rpc.rpc_sync(a, nested_stage, args=(t, 0.5, b)).sum(),
+                  lambda t: stage(stage(t, 0.5), 1.5).sum(), leaf)
     elif kind == "async_execution":
-        _backward(lambda l: rpc.rpc_sync(a, async_stage, args=(l, 0.7, b)).sum(),
-                  lambda l: (stage(l, 0.7) * 2.0).sum(), leaf)
+        _backward(lambda t: rpc.rpc_sync(a, async_stage, args=(t, 0.7, b)).sum(),
+                  lambda t: (stage(t, 0.7) * 2.0).sum(), leaf)
     elif kind == "fan-out":
-        def forward(l):
-            fa, fb = rpc.rpc_async(a, stage, args=(l, 0.2)), rpc.rpc_async(b, stage, args=(l, 0.9))
+        def forward(t):
+            fa, fb = rpc.rpc_async(a, stage, args=(t, 0.2)), rpc.rpc_async(b, stage, args=(t, 0.9))
             return (fa.wait() * fb.wait()).sum()
-        _backward(forward, lambda l: (stage(l, 0.2) * stage(l, 0.9)).sum(), leaf)
+        _backward(forward, lambda t: (stage(t, 0.2) * stage(t, 0.9)).sum(), leaf)
     elif kind == "retain_graph":
-        _backward(lambda l: rpc.rpc_sync(a, stage, args=(l, 0.3)).sum(), lambda l: stage(l, 0.3).sum(), leaf, 2)
+        _backward(lambda t: rpc.rpc_sync(a, stage, args=(t, 0.3)).sum(), lambda t: stage(t, 0.3).sum(), leaf, 2)
 
 
 KINDS = ["sync", "async", "remote+fork", "error", "two hops", "nested", "async_execution", "fan-out", "retain_graph"]

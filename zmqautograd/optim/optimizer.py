@@ -8,7 +8,6 @@ import threading
 from collections import defaultdict
 from typing import Any
 
-import torch
 
 from .. import autograd as dist_autograd
 from .. import rpc

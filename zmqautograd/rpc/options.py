@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from zmqautograd.transport.lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN
 from zmqautograd.transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING, DEFAULT_SPIN
