@@ -24,16 +24,15 @@ log = logging.getLogger(__name__)
 
 class _Served:
     """A call being served: its context (None if it was not recorded), the context releases
-    that rode on it and those already removed before it ran, and its answer's metadata."""
+    that rode on it and those already removed before it ran."""
 
-    __slots__ = ("sender", "context", "releases", "removed", "metadata")
+    __slots__ = ("sender", "context", "releases", "removed")
 
     def __init__(self, sender: str, context: Any, releases: Any) -> None:
         self.sender = sender
         self.context = context
         self.releases = releases
         self.removed: list | None = None
-        self.metadata: list | None = None
 
 
 class AutogradHooks:
@@ -62,8 +61,6 @@ class AutogradHooks:
 
     def call_recorded(self, to: int, outgoing: OutgoingCall, tensors: list, sync: bool) -> None:
         metadata = outgoing.state[0]
-        if metadata is None:
-            return
         context = record_send(self.contexts, metadata, tensors, to)
         if sync and context is not None:  # its part of the caller's plan, while the call travels
             prepare_part(context, metadata[1])
@@ -119,8 +116,7 @@ class AutogradHooks:
         tensors may require grad)."""
         if served is None or served.context is None:
             return None
-        served.metadata = response_metadata(self.contexts, served.context)
-        return MessageType.FORWARD_AUTOGRAD_RESP, {"v": value, "ag": served.metadata}
+        return MessageType.FORWARD_AUTOGRAD_RESP, {"v": value, "ag": response_metadata(self.contexts, served.context)}
 
     def answer_leaving(self, served: _Served, payload: dict, to: int, loopback: bool, tensors: list) -> None:
         if loopback:  # completing it here may run the caller's callbacks, on this thread: record first

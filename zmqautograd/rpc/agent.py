@@ -462,10 +462,11 @@ class Agent:
             # Cancelled when the call completes (_take); one that completes before the timer
             # is set here leaves a timer that fires, finds nothing, and is gone.
             pending.timer = timers.call_later(timeout, self._expire, message_id)
-        tensors = [] if outgoing is not None and outgoing.collect_tensors else None  # only hooks need them
+        recorded = outgoing is not None and outgoing.collect_tensors
+        tensors = [] if recorded else None  # only hooks need them
         try:
             frames = self._encode_to(info, message, tensors, placement)
-            if outgoing is not None and not sync:
+            if recorded and not sync:
                 hooks.call_recorded(info.id, outgoing, tensors, False)
             self._transmit(info, message, frames)
         except BaseException as exc:
@@ -474,7 +475,7 @@ class Agent:
             if isinstance(exc, (TransportError, SerializationError)):
                 raise _with_context(exc, f"cannot send a call to {info}") from None
             raise
-        if outgoing is not None and sync:
+        if recorded and sync:
             # Recorded while the call is on its way: nothing needs distributed autograd's send
             # function before this thread's wait for the answer ends (a backward pass over it
             # starts after that, on this thread), and the recording then costs no latency.

@@ -54,7 +54,8 @@ class CallHooks(Protocol):
         ...
 
     def call_recorded(self, to: int, outgoing: OutgoingCall, tensors: list, sync: bool) -> None:
-        """After encoding: before it is sent (``sync`` False), or while it travels (True)."""
+        """After encoding, only where ``outgoing.collect_tensors``: before it is sent (``sync``
+        False), or while it travels (True)."""
         ...
 
     def call_not_sent(self, to: int, outgoing: OutgoingCall) -> None: ...
