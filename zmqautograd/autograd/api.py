@@ -11,14 +11,14 @@ import torch
 
 from zmqautograd.transport import MessageType
 
-from ..rpc import current
 from ..rpc.errors import RpcError
-from ..rpc.futures import Outcome
+from ..rpc.futures import Outcome, outcome_of
 from ..rpc.serialization import protocol_function
-from . import cleanup
+from . import cleanup, port
 from .context import ContextContainer, DistAutogradContext
 from .engine import LOCAL_ROOT, Pass, plan_for, routes_for
 from .functions import RecvInfo, profiled
+from .port import AgentPort
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ _pass_lock = threading.Lock()  # creating and replacing a context's current pass
 _running: dict[int, Pass] = {}  # passes started by backward() on this process
 
 
-_agent = current.agent
+_agent = port.current
 
 
 def _container() -> ContextContainer:
@@ -127,8 +127,9 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         run = _start_pass(agent, autograd_context, container.new_message_id(), bool(retain_graph), edges)
         run.deliver(LOCAL_ROOT, [torch.ones_like(root, memory_format=torch.preserve_format) for root in roots])
         run.watch_idle()
-        if agent.pool.owns_current_thread():
-            with agent.pool.blocking():  # a UDF calling backward must not hold up the pool
+        pool = agent.pool
+        if pool.owns_current_thread():
+            with pool.blocking():  # a UDF calling backward must not hold up the pool
                 run.run_at_home()
         else:
             run.run_at_home()
@@ -143,7 +144,7 @@ def _check_context_id(context_id: Any, what: str) -> None:
 # ------------------------------------------------------------------------------ passes
 
 
-def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph: bool, local_edges: list | None,
+def _start_pass(agent: AgentPort, ctx: DistAutogradContext, pass_id: int, retain_graph: bool, local_edges: list | None,
                 requester: int | None = None, ticket: tuple | None = None) -> Pass:
     """Make ``pass_id`` the context's pass on this worker (replacing a stale one);
     ``requester``: the worker that waits for the answer to the request that starts it;
@@ -154,7 +155,7 @@ def _start_pass(agent: Any, ctx: DistAutogradContext, pass_id: int, retain_graph
     idle = (agent.default_timeout if agent.default_timeout > 0 else None) if home else None
     # The caller of backward() waits for its pass's work in the transport's wait_until: the
     # answers it waits for then usually reach it directly (see _send_gradients).
-    waiting = (agent.endpoint.wait_until, agent.endpoint.waiter().wake) if home else None
+    waiting = agent.home_waiting() if home else None
     run = Pass(ctx, plan, pass_id, retain_graph, agent.rank, _send_gradients, home=home, idle_timeout=idle,
                requester=requester, home_waiting=waiting, ticket=ticket, forward_gradients=_forward_gradients)
     if home:  # passes this worker started, by id (found even if the context is gone)
@@ -188,7 +189,7 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
     The future completes once the answer came and the gradients that rode on it (see
     ``Pass._fire_recv``) were delivered here."""
     agent = _agent()
-    placement = _placement_back(agent, info.from_worker, info.in_response)
+    placement = agent.placement_back(info.from_worker, info.in_response)
     args = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads, agent.rank if awaited else -1)
     if ticketed:
         ticket = agent.hooks.contexts.new_message_id()
@@ -217,26 +218,11 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
     sent = agent.call(info.from_worker, _backward_request, args, None, -1.0,
                       message_type=MessageType.BACKWARD_AUTOGRAD_REQ, placement=placement, posted=posted)
     if posted is None:
-        sent.add_done_callback(lambda done: answered(*_outcome(done)))
+        sent.add_done_callback(lambda done: answered(*outcome_of(done)))
     return delivered
 
 
-def _placement_back(agent: Any, worker: int, in_response: bool) -> Any:
-    """Where the gradients of tensors that came from ``worker`` land there: back the way the
-    tensors came, through the inverse of the device map they arrived through (that of a
-    response when ``in_response``, else of a request)."""
-    name = agent.worker_info(worker).name
-    return agent.placement.request(name) if in_response else agent.placement.response(name)
-
-
-def _outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
-    try:
-        return future.value(), None
-    except Exception as exc:  # noqa: BLE001 - handed on as the outcome
-        return None, exc
-
-
-def _fail_if_lost(agent: Any, run: Pass) -> None:
+def _fail_if_lost(agent: AgentPort, run: Pass) -> None:
     """A worker of the context lost before ``run`` had reports due fails it now, as one lost
     later does (Pass.peer_lost): forwarded gradients may be bound for it, and a worker that
     has not noticed the loss yet would send them into the void."""
@@ -274,7 +260,7 @@ _ANSWERED = Outcome()
 _ANSWERED.set_result(None)
 
 
-def _ticketed_request(agent: Any, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
+def _ticketed_request(agent: AgentPort, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
                       ticket: tuple) -> None:
     """A ticketed request (``_backward_request``): deliver it, and report to the originator
     once the pass it started is done, unless that pass handed its report on with a forward
@@ -319,19 +305,19 @@ def _forward_gradients(route: tuple, grads: list, run: Pass, last: bool) -> None
     if last:
         delegated = run.reports()
         run.reported = True
-    placement = _placement_back(agent, peer, in_response)
+    placement = agent.placement_back(peer, in_response)
     args = (run.context.context_id, message_id, run.pass_id, run.retain_graph, grads, -1, ticket, run.wire_routes,
             run.sink, delegated)
     with profiled("torch::distributed::autograd::RecvRpcBackward"):
         agent.notify(peer, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ, placement)
 
 
-def _report(agent: Any, originator: int, sink: Any, context_id: int, pass_id: int, reports: list,
+def _report(agent: AgentPort, originator: int, sink: Any, context_id: int, pass_id: int, reports: list,
             riding: list | None, error: str | None) -> None:
     """Passes of ticketed requests are done (``reports``: [ticket, forwards made] each): tell
     the originator, at its report ``sink`` (engine.py, "Forwarding")."""
     # Riding gradients are of tensors the originator sent in a request, as on an answer.
-    placement = _placement_back(agent, originator, False) if riding is not None else None
+    placement = agent.placement_back(originator, False) if riding is not None else None
     try:
         if type(sink) is not int:
             raise RpcError(f"malformed report sink {sink!r:.40}")
@@ -340,7 +326,7 @@ def _report(agent: Any, originator: int, sink: Any, context_id: int, pass_id: in
         log.warning("backward pass %d: cannot report to worker %d: %s", pass_id, originator, exc)
 
 
-def _settle_report(agent: Any, run: Pass, report: Any, error: BaseException | None) -> None:
+def _settle_report(agent: AgentPort, run: Pass, report: Any, error: BaseException | None) -> None:
     """On the originator, on the thread that runs ``run``: passes of its ticketed requests
     are done (``_report``). Anything wrong with the report fails the pass (Pass.run_at_home)."""
     if error is not None:
@@ -367,7 +353,7 @@ def _settle_report(agent: Any, run: Pass, report: Any, error: BaseException | No
         run.settle(item[0])
 
 
-def _accept_gradients(agent: Any, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
+def _accept_gradients(agent: AgentPort, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
                       requester: int | None = None, start: bool = True,
                       ticket: tuple | None = None) -> tuple[Pass, bool]:
     """Deliver the gradients for send function ``message_id`` to pass ``pass_id`` here,

@@ -29,8 +29,9 @@ import torch
 from zmqautograd.transport import MessageType, PeerLostError
 
 from .. import timers
-from ..rpc import current
 from ..rpc.serialization import protocol_function
+from . import port
+from .port import AgentPort
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class CleanupBatcher:
         batch.send(worker, batch.ids)
 
 
-def release_everywhere(agent: Any, context: Any, skip: int = -1) -> None:
+def release_everywhere(agent: AgentPort, context: Any, skip: int = -1) -> None:
     """Release ``context`` (already removed here) on every worker it reached but ``skip``."""
     send = functools.partial(_send_batch, agent)
     for worker in sorted(context._known_worker_ids()):
@@ -108,20 +109,20 @@ def release_everywhere(agent: Any, context: Any, skip: int = -1) -> None:
             agent.hooks.contexts.cleanups.add(worker, [context.context_id], send)
 
 
-def release_here(agent: Any, context_ids: list, from_worker: int) -> None:
+def release_here(agent: AgentPort, context_ids: list, from_worker: int) -> None:
     """``from_worker`` released these contexts: release them here too, and pass them on.
     Idempotent; unknown ids are fine (never here, or released already)."""
     pass_on(agent, remove_here(agent, context_ids), from_worker)
 
 
-def remove_here(agent: Any, context_ids: list) -> list:
+def remove_here(agent: AgentPort, context_ids: list) -> list:
     """The first half of ``release_here``: forget the contexts here (what code running here
     can observe), returning those that were here, for ``pass_on``."""
     remove = agent.hooks.contexts.remove
     return [context for context_id in context_ids if (context := remove(context_id)) is not None]
 
 
-def pass_on(agent: Any, removed: list, from_worker: int) -> None:
+def pass_on(agent: AgentPort, removed: list, from_worker: int) -> None:
     """The second half of ``release_here``: release the ``removed`` contexts on the workers
     they reached. (The caller drops them after this: dropping a context's graph and gradients
     is most of a release's cost, ~7 of ~11 us measured in a pipeline's workers.)"""
@@ -132,12 +133,12 @@ def pass_on(agent: Any, removed: list, from_worker: int) -> None:
 @protocol_function
 def cleanup_contexts(context_ids: list) -> None:
     """The receiving end of a cleanup request (CLEANUP_AUTOGRAD_CONTEXT_REQ), from the worker
-    it came over (current.caller), never one its payload names."""
-    caller = current.caller()
-    release_here(current.agent(), context_ids, -1 if caller is None else caller)
+    it came over (port.caller), never one its payload names."""
+    caller = port.caller()
+    release_here(port.current(), context_ids, -1 if caller is None else caller)
 
 
-def _send_batch(agent: Any, worker: int, context_ids: list) -> None:
+def _send_batch(agent: AgentPort, worker: int, context_ids: list) -> None:
     if agent.closed:  # shut down meanwhile without waiting (graceful shutdown flushes first)
         log.debug("not releasing autograd contexts %s on worker %d: RPC is shut down", context_ids, worker)
         return

@@ -17,6 +17,7 @@ from ..rpc.hooks import OutgoingCall
 from . import cleanup
 from .context import ContextContainer
 from .engine import prepare_part, prepare_plan
+from .port import AgentPort
 from .forward import BUILTIN_TYPES, record_recv, record_send, request_metadata, response_metadata
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class _Served:
 class AutogradHooks:
     """One agent's distributed autograd: its contexts and the hooks that record into them."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: AgentPort) -> None:
         self.agent = agent
         self.contexts = ContextContainer(agent.rank)
         self._local = self.contexts._local  # the current context, per thread (served calls switch it)

@@ -380,6 +380,19 @@ class Agent:
         """Whether the connection to ``worker`` was lost (it will not come back)."""
         return self.endpoint.is_lost(str(worker))
 
+    def placement_back(self, worker: int, in_response: bool) -> Placement:
+        """Where tensors sent back to ``worker`` land there (gradients of tensors it sent):
+        through the inverse of the device map they arrived through, that of a response
+        when ``in_response``, else of a request."""
+        name = self.worker_info(worker).name
+        return self.placement.request(name) if in_response else self.placement.response(name)
+
+    def home_waiting(self) -> tuple[Callable[[Callable[[], bool]], object], Callable[[], object]]:
+        """How a thread that waits for answers should wait: ``(wait_until(ready), wake())``;
+        the wait receives from the sockets meanwhile, so an answer usually reaches the very
+        thread that waits for it."""
+        return self.endpoint.wait_until, self.endpoint.waiter().wake
+
     def worker_info(self, to: Any) -> WorkerInfo:
         if isinstance(to, WorkerInfo):
             info = self.workers_by_id.get(to.id)

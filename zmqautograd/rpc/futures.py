@@ -173,3 +173,11 @@ class Outcome:
             if event is not None:
                 event.wait()
         return self.value()
+
+
+def outcome_of(future: Any) -> tuple[Any, BaseException | None]:
+    """A done future's ``(value, None)``, or ``(None, error)``."""
+    try:
+        return future.value(), None
+    except Exception as exc:  # noqa: BLE001 - handed on as the outcome
+        return None, exc

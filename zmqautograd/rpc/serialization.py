@@ -51,6 +51,7 @@ _TORCH_CONSTANT_KINDS = (torch.layout, torch.memory_format, torch.qscheme)
 _PROTOCOL_FUNCTIONS = frozenset({
     ("zmqautograd.autograd.api", "_backward_request"),
     ("zmqautograd.autograd.cleanup", "cleanup_contexts"),
+    ("zmqautograd.autograd.embed", "deliver_report"),
     ("zmqautograd.optim.optimizer", "_local_optimizer_step"),
     ("zmqautograd.optim.optimizer", "_new_local_optimizer"),
     ("zmqautograd.rpc.agent", "_arrive_at_shutdown"),
@@ -61,6 +62,12 @@ _PROTOCOL_FUNCTIONS = frozenset({
 
 
 _F = TypeVar("_F", bound=Callable)
+
+
+def is_protocol_function(function: Any) -> bool:
+    """Whether ``function`` is one of zmqautograd's protocol functions."""
+    key = (getattr(function, "__module__", None), getattr(function, "__qualname__", None))
+    return key in _PROTOCOL_FUNCTIONS
 
 
 def protocol_function(function: _F) -> _F:
