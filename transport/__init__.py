@@ -5,7 +5,6 @@ It knows frames and tensors, not RPC.
 """
 
 from .codec import PROTOCOL_VERSION, Codec, Envelope, Extension, ExtensionNotDecoded, Message, MessageType
-from .faults import FaultPolicy
 from .errors import (
     DeviceMapError,
     EndpointClosedError,
@@ -19,6 +18,7 @@ from .errors import (
     TransportError,
     UnknownPeerError,
 )
+from .faults import FaultPolicy
 
 __all__ = [
     "PROTOCOL_VERSION", "FaultPolicy", "Codec", "Envelope", "Extension", "ExtensionNotDecoded", "Message", "MessageType",

@@ -29,8 +29,8 @@ import msgpack
 import torch
 
 from .errors import DeviceMapError, LocalProtocolError, MessageTooLargeError, ProtocolError, RemoteProtocolError
-from .tensors import DEFAULT_COPY_THRESHOLD, DENSE, DeviceMap, TensorDecoder, TensorEncoder, parse_dense
 from .staging import PinnedBufferPool
+from .tensors import DEFAULT_COPY_THRESHOLD, DENSE, DeviceMap, TensorDecoder, TensorEncoder, parse_dense
 
 PROTOCOL_VERSION = 1
 MAX_SENDER_LENGTH = 256

@@ -60,10 +60,10 @@ import mmap
 import os
 import platform
 import select
+import socket
 import stat
 import struct
 import sys
-import socket
 import threading
 from collections.abc import Sequence
 from typing import Any

@@ -1,0 +1,170 @@
+"""Waiting threads: callers of ``recv`` and ``wait_until`` receive from the ROUTER and the
+rings themselves while they wait, as the I/O thread would (see endpoint.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from . import shm
+from .waiter import LockWaiter, Waiter, new_waiter
+
+if TYPE_CHECKING:
+    from .endpoint import Endpoint
+
+_yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+_DESCRIPTOR_LOOKS = 4  # a spinning thread's looks at the rings per look at its descriptors
+
+def _spin_poll(poll: Callable[[float], bool], until: float) -> bool:
+    """Poll without sleeping until ``until`` (``time.monotonic``); whether anything became
+    ready. Between polls the thread yields its CPU (and the GIL) to anything runnable."""
+    clock = time.monotonic
+    while True:
+        if poll(0):
+            return True
+        if clock() >= until:
+            return False
+        _yield_cpu()
+
+
+class WaitingThreads:
+    """The endpoint's waiting threads (part of ``Endpoint``)."""
+
+    def waiter(self: Endpoint) -> Waiter | LockWaiter:
+        """The calling thread's :class:`~transport.waiter.Waiter` for :meth:`wait_until`:
+        whoever makes the condition of that thread's wait true calls its ``wake()``."""
+        waiter = getattr(self._thread_local, "waiter", None)
+        if waiter is None:
+            waiter = self._thread_local.waiter = new_waiter(self._waiters_read)
+        return waiter
+
+    def wait_until(self: Endpoint, ready: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Block the calling thread until ``ready()`` is true (True) or ``timeout`` seconds
+        have passed (False). Meanwhile the thread receives from the socket itself, exactly as
+        the I/O thread would, so that the message it waits for wakes it directly, with no
+        thread hand-over (transport/waiter.py). Whoever makes ``ready()`` true from another
+        thread (or a callback this receiving runs) then calls ``waiter().wake()`` of the
+        waiting thread. ``ready`` must be quick and must not block."""
+        return self._wait(self.waiter(), ready, timeout)
+
+    def _become_reading_waiter(self: Endpoint, waiter: Waiter) -> None:
+        """Watch the ROUTER in ``waiter``'s place from now on, with the I/O thread behind it
+        (transport/waiter.py)."""
+        with self._socket_lock:  # the descriptor is valid only while the ROUTER is open
+            if not self._router_open:
+                return
+            previous = self._reading_waiter
+            for fd in self._shared_fds:
+                if previous is not None:
+                    previous.detach(fd)
+                waiter.attach(fd)
+            self._io_poller.go_last()
+            self._reading_waiter = waiter
+
+    def _wait(self: Endpoint, waiter: Waiter, ready: Callable[[], bool], timeout: float | None) -> bool:
+        if ready():
+            return True
+        if waiter.reads and self._reading_waiter is not waiter:
+            self._become_reading_waiter(waiter)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        spin = self.options.spin if waiter.reads else 0.0
+        if type(waiter) is Waiter:
+            waiter.sleeper = threading.get_ident()
+        try:
+            while True:
+                if waiter.reads:
+                    self._read_for_waiter()
+                waiter.waiting = True  # from here on, whoever makes ready() true wakes us
+                if ready():
+                    return True
+                if spin and self._rings_in:  # spin first (bounded by the deadline), then sleep
+                    until = time.monotonic() + spin
+                    spun = self._spin(waiter, ready, until if deadline is None else min(until, deadline))
+                    if spun:
+                        return True
+                    if spun is None:
+                        continue
+                remaining = None
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                waiter.sleep(remaining)
+                waiter.waiting = False
+        finally:
+            waiter.waiting = False
+
+    def _spin(self: Endpoint, waiter: Waiter, ready: Callable[[], bool], until: float) -> bool | None:
+        """Receive without sleeping until ``ready()`` (True) or ``until`` (False), yielding
+        the CPU (and the GIL) between looks; None: nothing was ready, but a ring got data as
+        the spin ended (look again before sleeping). One thread spins at a time; while it
+        does, peers that write to our rings need not ring our doorbell (transport/shm.py)."""
+        with self._socket_lock:
+            if self._spinning or not self._router_open:
+                return False
+            self._spinning = True
+            self._flags.set_spinning(True)
+        flags = self._flags
+        clock = time.monotonic
+        has_input = waiter.has_input
+        result = False
+        looks = 0
+        try:
+            while True:
+                # Cheap looks first (one word of shared memory, our descriptors): the full
+                # receive takes the socket lock, asks libzmq and looks at every ring.
+                if flags.take_pending():
+                    shm.fence()  # see Flags.take_pending
+                    # Seen in shared memory: the rings alone, no doorbell to empty and no
+                    # ROUTER to ask (system calls); input there shows in has_input below.
+                    self._read_for_waiter(rings_only=True)
+                    if ready():
+                        result = True
+                        break
+                looks += 1
+                # Our descriptors (a system call) one look in _DESCRIPTOR_LOOKS: the rings
+                # carry what peers on this host send, and a look that is shorter by a system
+                # call sees their data sooner.
+                if looks % _DESCRIPTOR_LOOKS == 0 and has_input():
+                    self._read_for_waiter()
+                if ready():
+                    result = True
+                    break
+                if clock() >= until:
+                    break
+                _yield_cpu()
+        finally:
+            with self._socket_lock:
+                self._spinning = False
+                missed = False
+                if self._router_open:
+                    flags.set_spinning(False)
+                    # A writer that saw us spinning did not ring: look once more, after the
+                    # fence that orders our "not spinning" before the look (transport/shm.py).
+                    shm.fence()
+                    missed = flags.pending()
+                    if missed and result:
+                        self._bell.ring()  # we leave: whoever sleeps takes it
+        return None if missed and not result else result
+
+    def _read_for_waiter(self: Endpoint, rings_only: bool = False) -> None:
+        """Receive what waits in the ROUTER and the rings, on a waiting thread (as the I/O
+        thread would); ``rings_only``: the rings alone, without emptying the doorbell (a
+        spinner that saw their pending word)."""
+        with self._socket_lock:
+            if not self._router_open:
+                return
+            if rings_only:
+                self._receive_rings(drain=False)
+                more = False
+            else:
+                more = self._receive_batch()
+            # The I/O thread finishes what we leave: a long burst, connections gone.
+            needs_io = more or bool(self._closing)
+        if needs_io and self._io_asleep:
+            with self._lock:
+                self._wake_io_locked()
