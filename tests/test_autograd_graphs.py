@@ -391,7 +391,8 @@ def test_plans_of_disjoint_roots_match_the_general_construction():
     function over received tensors, leaves, shared paths, a root straight into a recv
     function, a leaf with a post hook, a caller's loss next to its calls' send functions
     (sharing leaves), and roots that do share nodes (the shortcut must step aside)."""
-    from zmqautograd.autograd import engine, functions
+    from zmqautograd.autograd import functions
+    from zmqautograd.autograd import plan as planning
 
     def received(*shape):
         tensor = torch.randn(*shape).requires_grad_(True)
@@ -421,43 +422,43 @@ def test_plans_of_disjoint_roots_match_the_general_construction():
         "chain": ({7: send_roots(chain)}, True),
         "shared paths": ({7: send_roots(shared)}, True),
         "leaf with a post hook": ({7: send_roots(hooked_send)}, True),
-        "root into a recv function": ({engine.LOCAL_ROOT: [(scalar.grad_fn, 0)]}, True),
+        "root into a recv function": ({planning.LOCAL_ROOT: [(scalar.grad_fn, 0)]}, True),
         "loss and sends sharing leaves": ({
-            engine.LOCAL_ROOT: [(((r1 * weight).sum() + r2.sum()).grad_fn, 0)],
+            planning.LOCAL_ROOT: [(((r1 * weight).sum() + r2.sum()).grad_fn, 0)],
             7: send_roots(send_node([weight, hooked])),
             8: send_roots(send_node([weight * 2])),
         }, True),
         "roots sharing a node": ({
-            engine.LOCAL_ROOT: [((hidden * r1).sum().grad_fn, 0)],
+            planning.LOCAL_ROOT: [((hidden * r1).sum().grad_fn, 0)],
             7: send_roots(send_node([hidden])),
         }, False),
     }
     for name, (roots, disjoint) in cases.items():
-        fast, general = engine.Plan(roots), engine.Plan(roots, general=True)
+        fast, general = planning.Plan(roots), planning.Plan(roots, general=True)
         assert _plan_shape(fast) == _plan_shape(general), name
         assert _disjoint(roots) is disjoint, name
         # Parts made before (a context's part cache) are reused, and give the same plan.
         parts: dict = {}
-        first = engine.Plan(roots, parts=parts)
-        again = engine.Plan(roots, parts=parts)
+        first = planning.Plan(roots, parts=parts)
+        again = planning.Plan(roots, parts=parts)
         assert _plan_shape(again) == _plan_shape(first) == _plan_shape(general), name
         if disjoint:
             assert set(parts) == set(roots), name
             assert [g.captures for g in again.groups] == [g.captures for g in first.groups]
             assert all(a.captures is b.captures for a, b in zip(again.groups, first.groups)), name
     # A part cached for a root key whose edges changed is made anew.
-    parts = {7: engine._Part(send_roots(shared))}
-    assert _plan_shape(engine.Plan({7: send_roots(chain)}, parts=parts)) == \
-        _plan_shape(engine.Plan({7: send_roots(chain)}, general=True))
+    parts = {7: planning._Part(send_roots(shared))}
+    assert _plan_shape(planning.Plan({7: send_roots(chain)}, parts=parts)) == \
+        _plan_shape(planning.Plan({7: send_roots(chain)}, general=True))
     assert parts[7].edges == tuple(send_roots(chain))
-    assert hooked_node in engine.Plan({7: send_roots(hooked_send)}).post_hooks
-    assert engine.Plan({engine.LOCAL_ROOT: [(scalar.grad_fn, 0)]}).groups == []
+    assert hooked_node in planning.Plan({7: send_roots(hooked_send)}).post_hooks
+    assert planning.Plan({planning.LOCAL_ROOT: [(scalar.grad_fn, 0)]}).groups == []
 
 
 def _disjoint(roots) -> bool:
-    from zmqautograd.autograd import engine
+    from zmqautograd.autograd import plan as planning
 
-    plan = engine.Plan.__new__(engine.Plan)
+    plan = planning.Plan.__new__(planning.Plan)
     plan.root_keys, plan.roots = list(roots), roots
     plan.root_bits = {key: 1 << i for i, key in enumerate(plan.root_keys)}
     return plan._disjoint_groups({})
@@ -511,28 +512,29 @@ def test_send_functions_are_listed_by_message_id_whatever_order_they_were_record
 
 
 def test_a_plan_of_send_functions_alone_is_reused_until_one_is_added():
-    """engine.plan_for: a worker's passes reuse the plan built after its answer left, without
+    """planning.plan_for: a worker's passes reuse the plan built after its answer left, without
     listing the send functions again; a send function added since makes it build anew, also
     one added while the plan was being built."""
-    from zmqautograd.autograd import engine, functions
+    from zmqautograd.autograd import functions
+    from zmqautograd.autograd import plan as planning
     from zmqautograd.autograd.context import DistAutogradContext
 
     leaf = torch.randn(3, requires_grad=True)
     ctx = DistAutogradContext(1)
     ctx.add_send_function(5, *functions.make_send_node([leaf * 2]))
-    plan = engine.plan_for(ctx, None)
-    assert engine.plan_for(ctx, None) is plan
+    plan = planning.plan_for(ctx, None)
+    assert planning.plan_for(ctx, None) is plan
     ctx.add_send_function(6, *functions.make_send_node([leaf * 3]))
-    grown = engine.plan_for(ctx, None)
+    grown = planning.plan_for(ctx, None)
     assert grown is not plan and sorted(grown.root_keys) == [5, 6]
-    assert engine.plan_for(ctx, None) is grown
+    assert planning.plan_for(ctx, None) is grown
     local = [((leaf * 4).sum().grad_fn, 0)]
-    with_local = engine.plan_for(ctx, local)
-    assert with_local is not grown and with_local.root_keys[0] == engine.LOCAL_ROOT
-    assert engine.plan_for(ctx, local) is with_local  # the same local root: the same plan
-    assert engine.plan_for(ctx, None) is not with_local  # the local root's plan is not the workers'
+    with_local = planning.plan_for(ctx, local)
+    assert with_local is not grown and with_local.root_keys[0] == planning.LOCAL_ROOT
+    assert planning.plan_for(ctx, local) is with_local  # the same local root: the same plan
+    assert planning.plan_for(ctx, None) is not with_local  # the local root's plan is not the workers'
 
-    real_plan = engine.Plan
+    real_plan = planning.Plan
 
     def plan_while_a_send_is_added(*args, **kwargs):  # a call recorded while the plan is built
         built = real_plan(*args, **kwargs)
@@ -541,31 +543,32 @@ def test_a_plan_of_send_functions_alone_is_reused_until_one_is_added():
         return built
 
     ctx.add_send_function(8, *functions.make_send_node([leaf * 6]))  # (so that the next call builds)
-    engine.Plan = plan_while_a_send_is_added
+    planning.Plan = plan_while_a_send_is_added
     try:
-        stale = engine.plan_for(ctx, None)
+        stale = planning.plan_for(ctx, None)
     finally:
-        engine.Plan = real_plan
+        planning.Plan = real_plan
     assert 7 not in stale.root_keys
-    assert 7 in engine.plan_for(ctx, None).root_keys
+    assert 7 in planning.plan_for(ctx, None).root_keys
 
 
 def test_a_send_functions_gradient_the_engine_would_convert_goes_through_the_engine():
-    from zmqautograd.autograd import engine, functions
+    from zmqautograd.autograd import functions, groups
+    from zmqautograd.autograd import plan as planning
 
     leaf = torch.randn(3, requires_grad=True)
     send, keep_alive = functions.make_send_node([leaf * 1, leaf])  # slot 0: not a leaf's edge
-    plan = engine.Plan({7: [(send, 0), (send, 1)]})
+    plan = planning.Plan({7: [(send, 0), (send, 1)]})
     assert all(g.pass_through is None for g in plan.groups)  # a group with more than the send function
     send, keep_alive = functions.make_send_node([leaf, leaf])
-    (group,) = engine.Plan({7: [(send, 0), (send, 1)]}).groups
+    (group,) = planning.Plan({7: [(send, 0), (send, 1)]}).groups
     assert group.pass_through == (0, 0)
-    (summed,) = engine._pass_through(group, {(send, 0): torch.ones(3), (send, 1): torch.ones(3)})
+    (summed,) = groups._pass_through(group, {(send, 0): torch.ones(3), (send, 1): torch.ones(3)})
     assert torch.equal(summed, torch.full((3,), 2.0))
     for odd in (torch.ones(3, dtype=torch.float64), torch.ones(1), torch.ones(3).to_sparse()):
-        assert engine._pass_through(group, {(send, 0): odd}) == ()
+        assert groups._pass_through(group, {(send, 0): odd}) == ()
     with torch.autograd.profiler.profile():  # the profiler shows the node: the engine runs it
-        assert engine._pass_through(group, {(send, 0): torch.ones(3)}) == ()
+        assert groups._pass_through(group, {(send, 0): torch.ones(3)}) == ()
 
 
 @pytest.mark.parametrize("profiled", [False, True], ids=["plain", "profiled"])
@@ -576,6 +579,7 @@ def test_a_group_from_a_send_function_starts_the_engine_past_it(monkeypatch, pro
     dtype for a leaf sent as is is converted, as the node's edges would have it; the leaf
     gets what local autograd gives it."""
     from zmqautograd.autograd import engine, functions
+    from zmqautograd.autograd import plan as planning
     from zmqautograd.autograd.context import DistAutogradContext
 
     ran = []
@@ -584,7 +588,7 @@ def test_a_group_from_a_send_function_starts_the_engine_past_it(monkeypatch, pro
     leaf = torch.randn(3, requires_grad=True)
     h = leaf * 2
     send, keep_alive = functions.make_send_node([h, h, leaf])
-    plan = engine.Plan({7: [(send, 0), (send, 1), (send, 2)]})
+    plan = planning.Plan({7: [(send, 0), (send, 1), (send, 2)]})
     (group,) = plan.groups
     assert group.pass_through is None and len(group.nodes) == 2  # the send function and the product
     context = DistAutogradContext(1)

@@ -4,6 +4,7 @@ Port code by changing ``import torch.distributed.autograd as dist_autograd`` to
 ``import zmqautograd.autograd as dist_autograd``.
 """
 
+from ..rpc.hooks import install_call_hooks
 from .api import (
     _current_context,
     _get_debug_info,
@@ -18,7 +19,6 @@ from .api import (
 )
 from .context import DistAutogradContext
 from .hooks import AutogradHooks
-from ..rpc.hooks import install_call_hooks
 
 # Every agent started from now on records into distributed autograd (as torch's
 # dist_autograd._init when RPC starts).

@@ -16,9 +16,11 @@ from ..rpc.futures import Outcome, outcome_of
 from ..rpc.serialization import protocol_function
 from . import cleanup, port
 from .context import ContextContainer, DistAutogradContext
-from .engine import LOCAL_ROOT, Pass, plan_for, routes_for
+from .engine import Pass
 from .functions import RecvInfo, profiled
+from .plan import LOCAL_ROOT, plan_for
 from .port import AgentPort
+from .routes import routes_for
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ class DistAutogradContext:
         self.current_pass: Any = None
         self.plan_cache: Any = None
         self.sends_version = 0  # counts send functions added (whether plan_for's cached plan is current)
-        self.part_cache: dict = {}  # root key -> what it reaches (engine._Part)
+        self.part_cache: dict = {}  # root key -> what it reaches (plan._Part)
 
     # The seeds' accessors (used by tests and tools).
 

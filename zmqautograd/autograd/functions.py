@@ -35,7 +35,7 @@ class RecvInfo(NamedTuple):
     in_response: bool = False
     # Weak references to the received tensors, filled once the node is attached: whether
     # they have hooks, which PyTorch's engine would run where it captures their gradient
-    # (engine._pass_through; for those that are gone, the node's ``hooked`` tells). Empty
+    # (groups._pass_through; for those that are gone, the node's ``hooked`` tells). Empty
     # when not known.
     received: list = []
 
@@ -108,7 +108,7 @@ RECV_NODE_TYPE = RecvRpc._backward_cls
 # Whether a tensor hook was ever registered on a tensor this recv function made (True on the
 # node once one was). Such hooks live on the node: PyTorch's engine runs them where it
 # captures the gradient, also after the tensor itself is gone, so a gradient may skip the
-# engine (engine._pass_through) only when a gone tensor never had one. ``register_hook``
+# engine (groups._pass_through) only when a gone tensor never had one. ``register_hook``
 # reaches the node through ``_register_hook_dict`` (once per tensor, with its first hook).
 # (Where that method is not there to note them, every node counts as hooked.)
 _register_hook_dict = getattr(torch._C._FunctionBase, "_register_hook_dict", None)

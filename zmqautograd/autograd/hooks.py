@@ -16,9 +16,9 @@ from zmqautograd.transport import Message, MessageType, PeerLostError
 from ..rpc.hooks import OutgoingCall
 from . import cleanup
 from .context import ContextContainer
-from .engine import prepare_part, prepare_plan
-from .port import AgentPort
 from .forward import BUILTIN_TYPES, record_recv, record_send, request_metadata, response_metadata
+from .plan import prepare_part, prepare_plan
+from .port import AgentPort
 
 log = logging.getLogger(__name__)
 

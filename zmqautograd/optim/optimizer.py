@@ -8,7 +8,6 @@ import threading
 from collections import defaultdict
 from typing import Any
 
-
 from .. import autograd as dist_autograd
 from .. import rpc
 from ..rpc.serialization import protocol_function

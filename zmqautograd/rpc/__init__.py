@@ -22,10 +22,14 @@ from .api import (
     shutdown,
 )
 from .errors import (
-    OperatorArgumentsError, RemoteException, RendezvousError, RpcError, RpcNotInitializedError, RpcTimeoutError,
+    OperatorArgumentsError,
+    RemoteException,
+    RendezvousError,
+    RpcError,
+    RpcNotInitializedError,
+    RpcTimeoutError,
     SerializationError,
 )
-from .rref import RRef
 from .options import (
     DEFAULT_RPC_TIMEOUT_SEC,
     UNSET_RPC_TIMEOUT,
@@ -33,6 +37,7 @@ from .options import (
     TensorPipeRpcBackendOptions,
     ZmqRpcBackendOptions,
 )
+from .rref import RRef
 
 __all__ = [
     "functions", "WorkerInfo", "get_worker_info", "init_rpc", "remote", "RRef", "rpc_async", "rpc_sync", "shutdown",

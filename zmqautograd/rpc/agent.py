@@ -20,31 +20,47 @@ from typing import Any, Callable
 import torch
 
 from zmqautograd.transport import (
-    DeviceMapError, EndpointClosedError, Envelope, Extension, FaultPolicy, InjectedFaultError, LocalProtocolError, Message, MessageType,
-    PeerLostError, TransportError, UnknownPeerError,
+    DeviceMapError,
+    EndpointClosedError,
+    Envelope,
+    Extension,
+    FaultPolicy,
+    InjectedFaultError,
+    LocalProtocolError,
+    Message,
+    MessageType,
+    PeerLostError,
+    TransportError,
+    UnknownPeerError,
+    cuda_ipc,
 )
-from zmqautograd.transport import cuda_ipc
 from zmqautograd.transport import faults as transport_faults
+from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 from zmqautograd.transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
 from zmqautograd.transport.security import Membership, secret_bytes
-from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 from zmqautograd.transport.tensors import adopt_torch_thread_settings
 from zmqautograd.transport.waiter import Waiter
 
+from .. import timers
 from . import current
+from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
+from .errors import RendezvousError, RpcError, RpcTimeoutError, SerializationError, as_operator_error, user_error
 from .functions import check_async_result, is_async_function
 from .futures import Future
-from .errors import RendezvousError, RpcError, RpcTimeoutError, SerializationError, as_operator_error, user_error
-from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
+from .hooks import CallHooks, OutgoingCall, make_call_hooks
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, ZmqRpcBackendOptions
 from .pool import ElasticPool
 from .rendezvous import Member, Rendezvous, advertise_address
 from .rref import RRef, RRefContext
 from .serialization import (
-    CallablePolicy, RpcCodec, decode_exception, encode_exception, encode_function, protocol_function, resolve_function,
+    CallablePolicy,
+    RpcCodec,
+    decode_exception,
+    encode_exception,
+    encode_function,
+    protocol_function,
+    resolve_function,
 )
-from .. import timers
-from .hooks import CallHooks, OutgoingCall, make_call_hooks
 
 log = logging.getLogger(__name__)
 

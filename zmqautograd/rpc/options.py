@@ -6,9 +6,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from zmqautograd.transport.lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN
-from zmqautograd.transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING, DEFAULT_SPIN
+from zmqautograd.transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING
+from zmqautograd.transport.shm import DEFAULT_SPIN
 
 from .devices import to_device, to_device_map
 
