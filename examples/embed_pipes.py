@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -53,7 +54,8 @@ def _wire(value: Any) -> Any:
 
 class PipeRpc:
     """Calls to the process at the other end of ``conn``. A request is ``("call", id, kind,
-    function, args, metadata)``; its answer ``("answer", id, value, error, metadata)``.
+    function, args, metadata)``; its answer ``("answer", id, value, error, metadata)``;
+    ``("close",)`` ends the conversation.
     ``kind`` is "user" for the framework's own calls and "autograd" for the engine's."""
 
     def __init__(self, rank: int, conn: Any) -> None:
@@ -86,17 +88,20 @@ class PipeRpc:
         return future
 
     def _send(self, message: tuple) -> None:
+        data = pickle.dumps(message)  # plain pickle, as over a wire (no shared-memory handles)
         with self._send_lock:
-            self._conn.send(message)
+            self._conn.send_bytes(data)
 
     def _read(self) -> None:
         while True:
             try:
-                message = self._conn.recv()
+                message = pickle.loads(self._conn.recv_bytes())
             except (EOFError, OSError) as exc:  # the peer is gone: fail what waits for it
                 self.port.peer_lost(self.peer, exc)
                 for future, _ in self._pending.values():
                     future.set_exception(ConnectionError(f"worker {self.peer} is gone: {exc!r}"))
+                return
+            if message[0] == "close":  # the peer is done
                 return
             if message[0] == "call":
                 self._served.submit(self._serve, *message[1:])
@@ -135,6 +140,8 @@ class PipeRpc:
             self._send(("answer", call_id, _wire(result), None, None))
 
     def close(self) -> None:
+        """Tell the peer we are done, and stop."""
+        self._send(("close",))
         self._served.shutdown(wait=True)
         self._conn.close()
 
@@ -183,7 +190,7 @@ def context_count() -> int:
 def _worker1(conn: Any) -> None:
     _state["w1"] = _weights()[2].requires_grad_()
     rpc = PipeRpc(1, conn)
-    rpc._reader.join()  # serve until worker 0 closes the pipe
+    rpc._reader.join()  # serve until worker 0 says it is done
     detach()
 
 
@@ -195,7 +202,7 @@ def run(steps: int = 3) -> dict[str, float]:
     here, there = ctx.Pipe()
     worker1 = ctx.Process(target=_worker1, args=(there,), daemon=True)
     worker1.start()
-    there.close()  # worker 1 holds it now: it sees the pipe end when worker 0 closes its end
+    there.close()  # worker 1's end
     x, w0, w1_start = _weights()
     w0.requires_grad_()
     rpc = PipeRpc(0, here)

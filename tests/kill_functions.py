@@ -10,7 +10,7 @@ import torch
 from zmqautograd.transport.faults import FaultPolicy
 import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
-from zmqautograd.rpc.rref import _owned_count
+from zmqautograd.rpc.rref_owner import _owned_count
 
 _started = threading.Event()
 _call_started = threading.Event()

@@ -178,7 +178,7 @@ def forward_rref(rref, target):
 
 
 def owned_rrefs():
-    from zmqautograd.rpc.rref import _owned_count
+    from zmqautograd.rpc.rref_owner import _owned_count
 
     return _owned_count()
 

@@ -11,6 +11,8 @@ import threading
 import time
 
 import pytest
+
+from tests.conftest import poll_until
 import torch
 import zmq
 
@@ -231,10 +233,7 @@ def test_slow_handler_does_not_stall_the_socket():
         for seq in range(50):
             sender.send("slow-receiver", Message(MessageType.PYTHON_CALL, seq + 1, "fast-sender", seq))
         # While the handler is blocked, the I/O thread keeps receiving and answering heartbeats.
-        deadline = time.monotonic() + 10
-        while receiver.stats()["fast-sender"].messages_received < 51 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert receiver.stats()["fast-sender"].messages_received >= 51
+        poll_until(lambda: receiver.stats()["fast-sender"].messages_received >= 51, 10, "51 messages received")
         assert sender.peers()["slow-receiver"] == "ready"
         release.set()
         assert [handled.get(timeout=10) for _ in range(50)] == list(range(50))

@@ -15,7 +15,7 @@ import torch
 
 import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
-import zmqautograd.rpc.rref as rref_module
+import zmqautograd.rpc.rref_owner as rref_owner
 
 from . import kill_functions as kf
 from .rpc_harness import free_port
@@ -166,12 +166,12 @@ def test_a_dead_workers_forks_and_the_contexts_it_passed_on_are_released_on_surv
     one by the owner itself) and passes an autograd context of this worker on to worker4,
     where only worker6 could release it. worker6 is killed: worker4 drops its forks and
     that context, and an RRef this worker then fails to send to worker6 is not kept for it."""
-    base = rpc.rpc_sync("worker4", rref_module._owned_count)
+    base = rpc.rpc_sync("worker4", rref_owner._owned_count)
     rref = rpc.remote("worker4", torch.ones, args=(2,))
     assert torch.equal(rref.to_here(), torch.ones(2))
     assert rpc.rpc_sync("worker6", kf.keep, args=(rref,))  # a user's fork, registered by worker6
     assert rpc.rpc_sync("worker4", kf.share_own_rref_with, args=("worker6",))  # registered by the owner
-    assert rpc.rpc_sync("worker4", rref_module._owned_count) == base + 2
+    assert rpc.rpc_sync("worker4", rref_owner._owned_count) == base + 2
     context = dist_autograd._new_context()
     rpc.rpc_sync("worker6", kf.add_on, args=("worker4", torch.ones(2, requires_grad=True)))
     # The checks below run outside it: a call made in it would make worker4 known to it here.
@@ -198,7 +198,7 @@ def test_a_value_whose_dead_creator_never_made_it_fails_its_fetch_and_goes(group
     worker, whose fork request makes worker4 expect the value. worker7 is killed before its
     call leaves: this worker's fetch fails naming worker7 instead of waiting for ever, and
     worker4 keeps nothing once this worker drops its RRef."""
-    base = rpc.rpc_sync("worker4", rref_module._owned_count)
+    base = rpc.rpc_sync("worker4", rref_owner._owned_count)
     assert rpc.rpc_sync("worker7", kf.share_unmade_rref, args=("worker4", "worker0"))
     rref = kf._kept.pop()
     assert rpc.rpc_sync("worker4", kf.owned_rrefs_back_to, args=(base + 1, DETECTED)), "the fork never came"

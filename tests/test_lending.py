@@ -10,6 +10,8 @@ import queue
 import time
 
 import pytest
+
+from tests.conftest import poll_until
 import torch
 import zmq
 
@@ -181,10 +183,7 @@ def test_a_partition_injected_after_a_loan_does_not_keep_the_lent_buffer_for_eve
         assert torch.equal(borrower.recv(10).payload, big)  # read: the release goes out
         # Nothing from the borrower can tell us the release arrived (the partition drops it
         # all), so this waits on the count itself.
-        deadline = time.monotonic() + 10
-        while lender.stats()["borrower"].buffers_on_loan and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert lender.stats()["borrower"].buffers_on_loan == 0
+        poll_until(lambda: lender.stats()["borrower"].buffers_on_loan == 0, 10, "the loan's release")
     finally:
         lender.close()
         borrower.close()

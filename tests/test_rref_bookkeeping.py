@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from zmqautograd.transport.errors import PeerLostError
-from zmqautograd.rpc.rref import RRef, RRefContext
+from zmqautograd.rpc.rref import RRef
+from zmqautograd.rpc.rref_context import RRefContext
 
 pytestmark = pytest.mark.timeout(30)
 

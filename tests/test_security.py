@@ -13,6 +13,8 @@ import time
 from datetime import timedelta
 
 import pytest
+
+from tests.conftest import poll_until
 import torch
 import torch.distributed as dist
 import zmq
@@ -21,7 +23,7 @@ from zmqautograd.transport import Codec, Message, MessageType
 from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 from zmqautograd.transport.security import ClusterKeys
 from zmqautograd import rpc
-from zmqautograd.rpc import rref as rref_module
+from zmqautograd.rpc import rref_owner
 from zmqautograd.rpc.errors import RendezvousError
 from zmqautograd.rpc.rendezvous import _open, _seal
 from zmqautograd.rpc.serialization import RpcCodec, encode_function
@@ -233,7 +235,7 @@ def test_a_member_cannot_release_another_members_rref_fork():
         assert torch.equal(rref.to_here(), torch.ones(3))
         with pytest.raises(RuntimeError, match="held by worker 0"):
             rpc.rpc_sync("worker2", rpc.rpc_sync, args=(
-                "worker1", rref_module._delete_fork, (list(rref.rref_id), list(rref.fork_id))))
+                "worker1", rref_owner._delete_fork, (list(rref.rref_id), list(rref.fork_id))))
         assert torch.equal(rref.to_here(), torch.ones(3))
         del rref
     finally:
@@ -426,10 +428,7 @@ def test_one_peer_cannot_starve_the_others():
 
 
 def _wait_until(condition, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)  # (another process's state: nothing to wait on)
+    poll_until(condition, timeout, interval=0.05)  # (another process's state: nothing to wait on)
 
 
 @pytest.mark.timeout(120)

@@ -14,6 +14,8 @@ import struct
 import time
 
 import pytest
+
+from tests.conftest import poll_until
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,12 +34,7 @@ pytestmark = [
 ]
 
 
-def _wait_for(condition, timeout: float = 30.0) -> None:
-    """For states nothing signals (a ring switched on): look until true or fail."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
+_wait_for = poll_until  # for states nothing signals (a ring switched on)
 
 
 # ------------------------------------------------------------------ the ring on its own

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from tests.conftest import poll_until
+
 from zmqautograd.transport import waiter as transport_waiter
 from zmqautograd.transport import EndpointClosedError, Message, MessageType
 from zmqautograd.transport.endpoint import Endpoint
@@ -184,11 +186,7 @@ def test_an_idle_pool_thread_receives_the_request_it_runs():
     assert pool.thread_count == 0
 
 
-def _until(condition, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
+_until = poll_until
 
 
 @linux_only

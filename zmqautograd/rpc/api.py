@@ -15,7 +15,8 @@ from .errors import RpcError, RpcNotInitializedError
 from .futures import Future
 from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, BackendType, ZmqRpcBackendOptions
 from .rendezvous import Rendezvous
-from .rref import RRef, _run_remote
+from .rref import RRef
+from .rref_owner import _run_remote
 from .serialization import encode_function
 
 _agent: Agent | None = None

@@ -1,0 +1,365 @@
+"""What one worker keeps of RRefs (rref.py describes the protocol): the values it owns and
+the forks that hold them, the RRefs it keeps for children not yet accepted, releases of
+its own forks, and what a lost worker leaves behind."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from zmqautograd.transport import MessageType
+from zmqautograd.transport.errors import PeerLostError
+
+from .errors import RpcError
+from .futures import Future
+from .rref import RRef, RRefId
+from .rref_owner import _child_accept, _delete_fork, _fork_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _OwnerEntry:
+    value: torch.futures.Future = field(default_factory=Future)
+    # fork id -> the worker that holds it (None until the message that carries it is sent)
+    forks: dict = field(default_factory=dict)
+    deleted_early: dict = field(default_factory=dict)  # deletes that came before their fork: id -> sender
+    local_handles: int = 0
+    created: bool = False  # the remote() call (or RRef(value)) has set it up
+    making: bool = False  # the remote() call runs (``begin_making``)
+    orphaned: bool = False  # failed: its creator was lost before its remote() call ran
+
+class RRefContext:
+    """One per agent: this worker's owned values and the user RRefs it keeps alive for children."""
+
+    def __init__(self, agent: Any):
+        self.agent = agent
+        self._lock = threading.Lock()
+        self._owned: dict[RRefId, _OwnerEntry] = {}
+        # fork id -> (our RRef, the child it went to: None until sent), until the child accepts
+        self._pending_children: dict[tuple, tuple] = {}
+        # Forks made while encoding a message on this thread, for the agent to tell where the
+        # message went (``sent_to``) or that it did not go (``unsent``). ``forks_made`` is 0
+        # until the first fork on any thread (increments may race; it never returns to 0): a
+        # program that never sends an RRef never looks.
+        self._made = threading.local()
+        self.forks_made = 0
+        self._counter = itertools.count(1)
+        self._users: weakref.WeakSet = weakref.WeakSet()  # user RRefs here (debug_info counts the unconfirmed)
+        self._control_in_flight = 0  # fork requests, child accepts and deletes not answered yet
+        # RRefs dropped by ``__del__``, released on a thread of their own. ``__del__`` runs
+        # wherever the garbage collector happens to run, possibly on a thread that holds the
+        # endpoint's socket lock or this context's lock (seen: the I/O thread, mid-receive,
+        # deadlocked on its own socket lock): it must take no lock, and SimpleQueue.put is
+        # reentrant for exactly this use.
+        self._released: queue.SimpleQueue = queue.SimpleQueue()
+        self._release_thread = threading.Thread(
+            target=self._release_loop, name=f"rref-release-{agent.rank}", daemon=True
+        )
+        self._release_thread.start()
+
+    def new_id(self) -> tuple:
+        return (self.agent.rank, next(self._counter))
+
+    # -------------------------------------------------------------------------- owner side
+
+    def _entry(self, rref_id: RRefId) -> _OwnerEntry:  # caller holds the lock
+        entry = self._owned.get(rref_id)
+        if entry is None:
+            entry = self._owned[rref_id] = _OwnerEntry()
+        return entry
+
+    def owner_value(self, rref_id: RRefId) -> torch.futures.Future:
+        with self._lock:
+            return self._entry(rref_id).value
+
+    def add_fork(self, rref_id: RRefId, fork_id: tuple, holder: int | None = None) -> None:
+        with self._lock:
+            entry = self._entry(rref_id)
+            if fork_id in entry.deleted_early:
+                del entry.deleted_early[fork_id]  # its delete came first: nothing to keep
+                self._maybe_release(rref_id, entry)
+            elif self._is_lost(holder):
+                # A request that waited in our pool while its sender's loss was handled:
+                # ``peer_lost`` could not drop a fork not yet there, and nobody else will.
+                self._maybe_release(rref_id, entry)
+            else:
+                entry.forks[fork_id] = holder
+
+    def delete_fork(self, rref_id: RRefId, fork_id: tuple, sender: int | None = None) -> None:
+        with self._lock:
+            entry = self._entry(rref_id)
+            if fork_id in entry.forks:
+                holder = entry.forks[fork_id]
+                if sender is not None and holder is not None and holder != sender:
+                    # Only the worker that holds a fork releases it (sender: its connection).
+                    raise RpcError(f"RRef fork {fork_id} of {rref_id} is held by worker {holder}, "
+                                   f"not by worker {sender}, which asked to delete it")
+                del entry.forks[fork_id]
+            elif not self._is_lost(sender):  # (a lost sender's fork is never kept: add_fork)
+                entry.deleted_early[fork_id] = sender
+            self._maybe_release(rref_id, entry)
+
+    def _is_lost(self, worker: int | None) -> bool:
+        """Whether ``worker`` (a fork's holder, None for one we registered ourselves) is lost.
+        ``add_fork`` and ``delete_fork`` check it under the lock: ``peer_lost`` runs after the
+        endpoint marks a worker lost, so a fork noted before that mark is dropped by it, and
+        one after it is never noted."""
+        return worker is not None and worker != self.agent.rank and self.agent.endpoint.is_lost(str(worker))
+
+    def begin_making(self, rref_id: RRefId) -> torch.futures.Future | None:
+        """For the remote() call that makes the value: its future, or None when the value is
+        settled already (its creator was lost before the call ran, and ``peer_lost`` failed
+        it: nothing waits for what the call would make)."""
+        with self._lock:
+            entry = self._entry(rref_id)
+            if entry.orphaned:
+                return None
+            entry.making = True
+            return entry.value
+
+    def set_created(self, rref_id: RRefId) -> None:
+        """The value is set up. Every fork may be gone by then: a user may delete its RRef
+        while the remote() that makes the value still runs (the pool serves both at once)."""
+        with self._lock:
+            entry = self._entry(rref_id)
+            entry.created = True
+            self._maybe_release(rref_id, entry)
+
+    def fail_creation(self, rref_id: RRefId, error: BaseException) -> None:
+        """remote() to ourselves could not be sent: the value is that error."""
+        with self._lock:
+            entry = self._entry(rref_id)
+        if not entry.value.done():
+            entry.value.set_exception(error)
+        self.set_created(rref_id)
+
+    def add_local_handle(self, rref_id: RRefId) -> None:
+        with self._lock:
+            self._entry(rref_id).local_handles += 1
+
+    # --------------------------------------------------------------- releases from __del__
+
+    def release_later(self, item: tuple) -> None:
+        """From ``RRef.__del__``: ``("owner", rref_id)`` or ``("user", owner_id, rref_id,
+        fork_id)``. Takes no lock (see ``__init__``)."""
+        self._released.put(item)
+
+    def flush_releases(self, timeout: float | None) -> bool:
+        """Wait until every release queued so far has been acted on (a user delete is then
+        counted by the agent's outstanding work). False on timeout."""
+        done = threading.Event()
+        self._released.put(done)
+        return done.wait(timeout)
+
+    def stop_releasing(self) -> None:
+        self._released.put(None)
+
+    def _release_loop(self) -> None:
+        while True:
+            item = self._released.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                if item[0] == "owner":
+                    self.drop_local_handle(item[1])
+                else:
+                    _, owner_id, rref_id, fork_id = item
+                    agent = self.agent
+                    if not agent.closed and agent.rrefs is self:
+                        self._control(owner_id, _delete_fork, (list(rref_id), list(fork_id)),
+                                      MessageType.RREF_USER_DELETE)
+            except Exception as exc:  # noqa: BLE001 - the owner's peer-loss handling covers the rest
+                log.debug("releasing %s failed: %s", item, exc)
+            del item
+
+    def drop_local_handle(self, rref_id: RRefId) -> None:
+        with self._lock:
+            entry = self._owned.get(rref_id)
+            if entry is not None:
+                entry.local_handles -= 1
+                self._maybe_release(rref_id, entry)
+
+    def _maybe_release(self, rref_id: RRefId, entry: _OwnerEntry) -> None:  # caller holds the lock
+        if entry.created and not entry.forks and not entry.deleted_early and entry.local_handles <= 0:
+            del self._owned[rref_id]
+
+    def owned_count(self) -> int:
+        with self._lock:
+            return len(self._owned)
+
+    # --------------------------------------------------------------------------- user side
+
+    def keep_for_child(self, fork_id: tuple, rref: "RRef") -> None:
+        with self._lock:
+            self._pending_children[fork_id] = (rref, None)
+
+    def child_accepted(self, fork_id: tuple, sender: int | None = None) -> None:
+        with self._lock:
+            kept = self._pending_children.get(fork_id)
+            if kept is not None and sender is not None and kept[1] is not None and kept[1] != sender:
+                # Only the worker we forked it to may say it has its own now.
+                raise RpcError(f"RRef fork {fork_id} went to worker {kept[1]}, not to worker {sender}")
+            kept = self._pending_children.pop(fork_id, None)
+        del kept  # (our RRef's __del__, if this was its last reference, outside the lock)
+
+    # ------------------------------------------------------------- forks and lost workers
+
+    def take_made(self) -> list | None:
+        """The forks this thread made while encoding its last message (and forgets them)."""
+        made = getattr(self._made, "forks", None)
+        if made:
+            self._made.forks = None
+        return made
+
+    def sent_to(self, made: list, to: int) -> None:
+        """The message holding the forks ``made`` went to worker ``to``: it holds them now."""
+        with self._lock:
+            for rref_id, fork_id in made:
+                if rref_id is None:  # a fork of a user RRef: kept for the child until it accepts
+                    kept = self._pending_children.get(fork_id)
+                    if kept is not None:
+                        self._pending_children[fork_id] = (kept[0], to)
+                else:
+                    entry = self._owned.get(rref_id)
+                    if entry is not None and fork_id in entry.forks:
+                        entry.forks[fork_id] = to
+        if self._is_lost(to):
+            self.peer_lost(to)  # lost before we noted it: what peer_lost found had no holder yet
+
+    def unsent(self, made: list | None) -> None:
+        """The message holding the forks ``made`` could not be sent: take them back."""
+        for rref_id, fork_id in made or ():
+            if rref_id is None:
+                self.child_accepted(fork_id)
+            else:
+                self.delete_fork(rref_id, fork_id)
+
+    def peer_lost(self, worker: int, error: BaseException | None = None) -> None:
+        """``worker`` is gone: drop the forks it held of our values and the deletes it sent
+        early, fail the values its remote() calls were to create but never did (``error``
+        says why), and let go of the RRefs we kept for it as a child."""
+        unborn = []
+        with self._lock:
+            for rref_id, entry in list(self._owned.items()):
+                held = [f for f, holder in entry.forks.items() if holder == worker]
+                early = [f for f, sender in entry.deleted_early.items() if sender == worker]
+                for fork_id in held:
+                    del entry.forks[fork_id]
+                for fork_id in early:
+                    del entry.deleted_early[fork_id]
+                never_created = not entry.created and not entry.making and rref_id[0] == worker
+                if never_created:
+                    # Others referred to it (a fork request, a fetch) before its remote()
+                    # ran; now it never will, and whoever fetches it would wait forever.
+                    entry.created = entry.orphaned = True
+                    unborn.append(entry.value)
+                if held or early or never_created:
+                    self._maybe_release(rref_id, entry)
+            children = [f for f, (_, child) in self._pending_children.items() if child == worker]
+            kept = [self._pending_children.pop(f) for f in children]
+        for value in unborn:  # (outside the lock: failing it answers the fetches waiting on it)
+            if not value.done():
+                value.set_exception(PeerLostError(str(worker), (
+                    f"the value of this RRef was never created: its creator, worker {worker}, was lost "
+                    f"before its remote() call arrived ({error})")))
+        if kept or unborn:
+            log.debug("let go of %d RRef(s) kept for lost worker %d, failed %d it never created",
+                      len(kept), worker, len(unborn))
+        del kept  # (outside the lock: see child_accepted)
+
+    def _accept_child(self, parent: int, fork_id: tuple) -> None:
+        """Tell the worker that forked this RRef to us that it may let go of its own."""
+        if parent == self.agent.rank:
+            self.child_accepted(fork_id)
+        else:
+            self._control(parent, _child_accept, (list(fork_id),), MessageType.RREF_CHILD_ACCEPT)
+
+    def _control(self, to: int, function: Callable, args: tuple, message_type: MessageType) -> torch.futures.Future:
+        """An RRef protocol message (retried; see Agent.call_retrying), counted while unanswered."""
+        with self._lock:
+            self._control_in_flight += 1
+        try:
+            sent = self.agent.call_retrying(to, function, args, message_type)
+        except BaseException:
+            self._control_answered(None)
+            raise
+        sent.add_done_callback(self._control_answered)
+        return sent
+
+    def _control_answered(self, _: Any) -> None:
+        with self._lock:
+            self._control_in_flight -= 1
+
+    def debug_info(self) -> dict[str, str]:
+        """torch's ``_rref_context_get_debug_info()``: owned values that other workers
+        reference (a local ``RRef(value)`` counts once it has been shared), owned values
+        asked for before they exist and RRef protocol messages in flight (torch counts both
+        as pending futures), user RRefs here that their owner has not confirmed yet, and the
+        forks the owned values have."""
+        with self._lock:
+            shared = [e for e in self._owned.values() if e.created and (e.forks or e.deleted_early)]
+            pending = sum(1 for e in self._owned.values() if not e.created) + self._control_in_flight
+        unconfirmed = sum(1 for rref in list(self._users) if not rref._confirmed.is_set() and not rref._creation.done())
+        return {
+            "num_owner_rrefs": str(len(shared)),
+            "num_pending_futures": str(pending),
+            "num_pending_users": str(unconfirmed),
+            "num_forks": str(sum(len(e.forks) for e in shared)),
+        }
+
+    # ------------------------------------------------------------------------- wire format
+
+    def encode(self, rref: "RRef") -> list:
+        """Fork ``rref`` for whoever receives this message."""
+        rref._check_created()
+        fork_id = self.new_id()
+        if rref.is_owner():
+            # The owner registers the fork itself; the receiver's delete will remove it.
+            self.add_fork(rref.rref_id, fork_id)
+            made = (rref.rref_id, fork_id)
+        else:
+            self.keep_for_child(fork_id, rref)
+            made = (None, fork_id)
+        forks = getattr(self._made, "forks", None)
+        if forks is None:
+            forks = self._made.forks = []
+        forks.append(made)
+        self.forks_made += 1
+        return [list(rref.rref_id), rref.owner_id, list(fork_id), self.agent.rank, rref._type_name]
+
+    def decode(self, value: list) -> "RRef":
+        rref_id, owner_id, fork_id, parent, type_name = value
+        rref_id, fork_id = tuple(rref_id), tuple(fork_id)
+        agent = self.agent
+        if owner_id == agent.rank:
+            rref = RRef._owner_handle(self, rref_id, type_name)
+            if parent == agent.rank:
+                # We sent it to ourselves and registered a fork for the receiver, which turns
+                # out to be us, the owner: drop that fork again.
+                self.delete_fork(rref_id, fork_id)
+            self._accept_child(parent, fork_id)
+            return rref
+        rref = RRef._user(self, rref_id, owner_id, fork_id, type_name)
+        if parent == owner_id:
+            rref._confirmed.set()  # the owner registered this fork when it sent it
+            return rref
+        registered = self._control(owner_id, _fork_request, (list(rref_id), list(fork_id)),
+                                   MessageType.RREF_FORK_REQUEST)
+
+        def confirmed(done: Any) -> None:
+            rref._confirm_if_ok(done)
+            self._accept_child(parent, fork_id)
+
+        registered.add_done_callback(confirmed)
+        return rref

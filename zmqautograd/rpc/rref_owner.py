@@ -1,0 +1,138 @@
+"""The RRef protocol's functions that run on the owner (or on a fork's parent), called by
+reference (protocol functions, rpc/serialization.py), and the helpers they share with
+``RRef``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from . import current
+from .errors import RpcError, SerializationError, as_operator_error, user_error
+from .functions import check_async_result, is_async_function
+from .futures import Future
+from .serialization import protocol_function
+
+if TYPE_CHECKING:
+    from .rref import RRef
+    from .rref_context import RRefContext
+
+def _context() -> RRefContext:
+    return current.agent().rrefs
+
+@protocol_function
+def _type_on_owner(rref: RRef) -> Any:
+    """On the owner, for ``RRef._get_type``: the value's type, by reference (torch's
+    ``_rref_typeof_on_owner``); waits for the value as ``local_value`` does."""
+    from .serialization import encode_function
+
+    return encode_function(type(rref.local_value()))
+
+@protocol_function
+def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: tuple, kwargs: dict) -> None:
+    """On the owner, for remote(): register the caller's fork, run, keep the value."""
+    from .serialization import resolve_function
+
+    context, rref_id = _context(), tuple(rref_id)
+    caller = current.caller()
+    if caller is not None and (rref_id[0] != caller or (fork_id is not None and fork_id[0] != caller)):
+        # remote()'s caller makes the ids (RRefContext.new_id): others' are not its to name.
+        raise RpcError(f"worker {caller} sent remote() with RRef ids of another worker ({rref_id}, {fork_id})")
+    if fork_id is not None:  # made by the caller, who holds it
+        context.add_fork(rref_id, tuple(fork_id), current.caller())
+    future = context.begin_making(rref_id)
+    if future is None:
+        return  # its creator was lost before this ran: the value has failed already
+    try:
+        function = resolve_function(function, context.agent.codec.policy)
+        value = function(*args, **kwargs)
+        if is_async_function(function):
+            # The value is what the returned future completes with, whenever it does; no
+            # thread waits for it meanwhile (fetches wait on the owner's value future).
+            check_async_result(function, value)
+            value.add_done_callback(lambda done: _settle(future, done))
+        elif not future.done():  # a remote() to ourselves that timed out already failed it
+            future.set_result(value)
+    except BaseException as exc:  # raised to whoever fetches the value, as torch does
+        exc = as_operator_error(function, user_error(exc))
+        if not future.done():
+            future.set_exception(exc)
+    context.set_created(rref_id)
+
+def _failed(future: torch.futures.Future) -> bool:
+    """Whether a completed future completed with an error."""
+    try:
+        future.value()
+    except Exception:  # noqa: BLE001 - any error is a failure here
+        return True
+    return False
+
+def _settle(target: torch.futures.Future, done: torch.futures.Future, convert: Callable | None = None) -> None:
+    """Complete ``target`` as ``done`` completed (its value through ``convert``, if given),
+    unless it is complete already."""
+    if target.done():
+        return
+    try:
+        value = done.value()
+        target.set_result(value if convert is None else convert(value))
+    except Exception as exc:  # noqa: BLE001 - the value's failure, for whoever fetches it
+        target.set_exception(exc)
+
+@protocol_function
+def _fetch(rref_id: list) -> torch.futures.Future:
+    return _context().owner_value(tuple(rref_id))
+
+# The worker a fork request or a delete is for is the one it came from (current.caller: the
+# authenticated connection), never a rank its payload names.
+@protocol_function
+def _fork_request(rref_id: list, fork_id: list) -> None:
+    _context().add_fork(tuple(rref_id), tuple(fork_id), current.caller())
+
+@protocol_function
+def _child_accept(fork_id: list) -> None:
+    _context().child_accepted(tuple(fork_id), current.caller())
+
+@protocol_function
+def _delete_fork(rref_id: list, fork_id: list) -> None:
+    _context().delete_fork(tuple(rref_id), tuple(fork_id), current.caller())
+
+@protocol_function
+def _backward_on_owner(rref_id: list, context_id: int, retain_graph: bool) -> None:
+    """On the owner, for a user's ``RRef.backward``: once the value is there (a remote() may
+    still be running), the pass starts here, so this worker is its originator."""
+    context = _context()
+    value = context.owner_value(tuple(rref_id))
+    if not value.done():
+        with context.agent.pool.blocking():  # the call that makes the value may need a thread
+            value.wait()
+    _backward_value(value.wait(), context_id, retain_graph)
+
+def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("RRef should contain a tensor for .backward()")
+    if context_id == -1:
+        torch.autograd.backward(value, retain_graph=retain_graph)
+        return
+    _context().agent.hooks.backward(context_id, [value], retain_graph)  # distributed autograd's
+
+@protocol_function
+def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> torch.futures.Future:
+    """On the owner, for the proxies (``rref.rpc_sync().method(...)``): the method's result,
+    as a future, so that a method marked ``async_execution`` is answered when the future it
+    returns completes, as torch's proxies do. Where ``allowed_functions`` restricts what
+    peers may run, only public methods (no name that starts with "_")."""
+    if not isinstance(name, str) or (name.startswith("_") and _context().agent.codec.policy.restricted):
+        raise SerializationError(f"method {name!r:.60} may not be called by peers here (allowed_functions)")
+    method = getattr(rref.local_value(), name)
+    result = method(*args, **kwargs)
+    if is_async_function(method):
+        check_async_result(method, result)
+        return result
+    done: torch.futures.Future = Future()
+    done.set_result(result)
+    return done
+
+@protocol_function
+def _owned_count() -> int:
+    return _context().owned_count()
