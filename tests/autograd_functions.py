@@ -92,7 +92,9 @@ def has_context(context_id: int) -> bool:
 def context_gone_within(context_id: int, timeout: float) -> bool:
     """Whether the context is released here within ``timeout`` seconds (it may be released
     by the thread that answered the call before this one, just after that answer left)."""
-    container = rpc.api._current().hooks.contexts
+    import zmqautograd.autograd as dist_autograd
+
+    container = dist_autograd.api._container()
     return container.wait_released({context_id}, timeout)
 
 
@@ -101,7 +103,9 @@ def plan_built_within(context_id: int, timeout: float) -> bool:
     backward pass asked for it (engine.prepare_plan)."""
     import time
 
-    container = rpc.api._current().hooks.contexts
+    import zmqautograd.autograd as dist_autograd
+
+    container = dist_autograd.api._container()
     deadline = time.monotonic() + timeout
     while True:
         context = container.get(context_id)

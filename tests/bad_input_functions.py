@@ -1,4 +1,4 @@
-"""Run on the worker under attack in tests/test_bad_input.py."""
+"""Run on the worker under attack in tests/rpc/test_bad_input.py."""
 
 import zmqautograd.rpc as rpc
 

@@ -1,7 +1,7 @@
 """Port of torch's dist_autograd_test.py (the seed 003 suite) to zmqautograd.
 
 Every rank runs each test body (SPMD), as upstream; tests/spmd.py runs them in real worker
-processes and tests/test_dist_autograd.py turns each into a pytest test of the same name.
+processes and tests/upstream/test_dist_autograd.py turns each into a pytest test of the same name.
 Changes from upstream: the imports (``zmqautograd.autograd`` / ``zmqautograd.rpc``); the
 harness, not a ``dist_init`` decorator, joins RPC and a gloo process group; tests that
 waited by polling with ``sleep`` wait on conditions; TorchScript RRef helpers are gone
@@ -128,7 +128,7 @@ def _check_rpc_done(rank_distance):
 
 
 def _all_contexts_cleaned_up(timeout_seconds=10):
-    container = rpc.api._current().hooks.contexts
+    container = dist_autograd.api._container()
     return container.wait_released(set(known_context_ids), timeout_seconds)
 
 

@@ -1,4 +1,4 @@
-"""Port of torch's dist_optimizer_test.py to zmqautograd (run by tests/test_dist_optimizer.py
+"""Port of torch's dist_optimizer_test.py to zmqautograd (run by tests/upstream/test_dist_optimizer.py
 on 4 worker processes; see tests/spmd.py). Only the imports and the fixture differ."""
 
 # ruff: noqa

@@ -1,6 +1,6 @@
 """Ports of torch's faulty-agent tests (faulty_agent_rpc_test.py, and the seed's
 FaultyAgentDistAutogradTest) to zmqautograd's fault injection. Run by
-tests/test_faulty_agent.py on 4 worker processes (tests/spmd.py).
+tests/upstream/test_faulty_agent.py on 4 worker processes (tests/spmd.py).
 
 The group's options mirror torch's FaultyRpcAgentTestFixture: 8 threads, the first 3 sends of
 each retryable message type fail, Python (and builtin, "SCRIPT_CALL") calls are delayed 1.5 s.

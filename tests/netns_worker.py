@@ -1,4 +1,4 @@
-"""A worker run inside a network namespace by tests/test_multihost.py (one per 'host')."""
+"""A worker run inside a network namespace by tests/system/test_multihost.py (one per 'host')."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Run on the workers of tests/test_security.py and tests/test_bad_input.py."""
+"""Run on the workers of tests/system/test_security.py and tests/rpc/test_bad_input.py."""
 
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ def _worker(rank: int, world_size: int, pg_port: int, rpc_port: int, module_name
                 conn.recv()  # it stays until the harness kills the group
             os._exit(0)
         if outcome[0] == "ok" and setup_rpc:  # (else the test shut its RPC down itself)
-            container = rpc.api._current().hooks.contexts
+            container = dist_autograd.api._container()
             if not container.wait_released(None, LEAK_WAIT):
                 outcome = ("error", f"rank {rank}: {container.count()} autograd context(s) left after the test")
         try:

@@ -1,4 +1,4 @@
-"""Cases for tests/test_spmd_harness.py: a rank that hangs and a rank that crashes."""
+"""Cases for tests/system/test_spmd_harness.py: a rank that hangs and a rank that crashes."""
 
 import faulthandler
 import threading

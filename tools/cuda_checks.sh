@@ -26,15 +26,15 @@ status=0
 "$py" -c "import torch, zmq, msgpack; print('torch', torch.__version__, 'pyzmq', zmq.__version__, torch.cuda.get_device_name(0))" || exit 1
 
 step "CUDA tests"
-timeout 420 "$py" -m pytest -q -p no:cacheprovider -rA tests/test_devices.py tests/test_cuda_ipc.py tests/test_codec.py \
-    tests/test_endpoint.py tests/test_dist_autograd.py \
+timeout 420 "$py" -m pytest -q -p no:cacheprovider -rA tests/rpc/test_devices.py tests/transport/test_cuda_ipc.py tests/transport/test_codec.py \
+    tests/transport/test_endpoint.py tests/upstream/test_dist_autograd.py \
     -k "test_devices or test_cuda_ipc or (test_codec and cuda) or (test_endpoint and cuda) or (test_dist_autograd and gpu)" \
     > "$out/tests.txt" 2>&1 || status=1
 grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/tests.txt" | tail -40
 
 step "the IPC streams case, 3 more runs"
 for run in 1 2 3; do
-    timeout 60 "$py" -m pytest -q -p no:cacheprovider tests/test_dist_autograd.py \
+    timeout 60 "$py" -m pytest -q -p no:cacheprovider tests/upstream/test_dist_autograd.py \
         -k sync_streams_on_one_gpu_cuda_ipc > "$out/streams_$run.txt" 2>&1 || status=1
     echo "run $run: $(tail -1 "$out/streams_$run.txt")"
 done

@@ -166,7 +166,7 @@ class _Shared:
         # move on x86-64. Not ``struct.pack_into``: it zeroes the bytes before it writes
         # them, and a peer that loaded between the two saw a position go back to 0 (the
         # reader a tail of 0, the writer a head of 0: a full ring where it was empty) or a
-        # flag unset (tests/test_shm.py, "went back").
+        # flag unset (tests/transport/test_shm.py, "went back").
         self._words = self._buffer[:_DATA].cast("Q")
 
     def close_descriptor(self) -> None:

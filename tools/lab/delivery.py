@@ -17,7 +17,7 @@ after 115-280 us, and a 4-stage pipeline step spent ~1.2 ms of its 6-10 ms waiti
 delivery, a one-hop step 60 us of 1.5 ms.
 
 Peers on one host only (the rings; the default there). It wraps the endpoint's private ring
-functions in each process before ``init_rpc``: tests/test_tools.py runs it, so a rename
+functions in each process before ``init_rpc``: tests/system/test_tools.py runs it, so a rename
 shows there.
 """
 

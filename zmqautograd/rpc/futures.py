@@ -6,7 +6,7 @@ passes through, so after a wait the stored exception holds the waiter's frames a
 them its locals: typically the future itself, the call's arguments, RRefs. That cycle runs
 through the future's C++ side, which Python's garbage collector cannot see into, so it is
 never freed (found by a stress run that killed a worker: 900 RRefs, and the values their
-owners kept for them, leaked in 30 s; tests/test_futures.py).
+owners kept for them, leaked in 30 s; tests/rpc/test_futures.py).
 
 So our futures keep the error without a traceback (its text is kept, for the answer to a
 remote caller and for whoever reads the error) and raise a fresh copy of it from each wait:

@@ -15,8 +15,8 @@ import torch
 import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
 
-from . import soak_functions as sf
-from .rpc_harness import Group
+from tests import soak_functions as sf
+from tests.rpc_harness import Group
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,8 +17,8 @@ import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
 import zmqautograd.rpc.rref_owner as rref_owner
 
-from . import kill_functions as kf
-from .rpc_harness import free_port
+from tests import kill_functions as kf
+from tests.rpc_harness import free_port
 
 pytestmark = pytest.mark.timeout(180)
 # A killed process closes its connections at once, so survivors must notice within DETECTED
@@ -217,7 +217,7 @@ def test_a_value_whose_dead_creator_never_made_it_fails_its_fetch_and_goes(group
 def test_contexts_of_a_dead_creator_are_released_on_survivors(group):
     """worker4 creates contexts that reach this worker, and is killed (runs last: the
     surviving workers are 0 and 4 by now)."""
-    container = rpc.api._current().hooks.contexts
+    container = dist_autograd.api._container()
     assert rpc.rpc_sync("worker4", kf.make_contexts_on, args=(["worker0"], 5)) == 5
     assert container.count() == 5
     killed = _kill(group, 4)

@@ -12,7 +12,7 @@ import pytest
 
 from tests.netns import SUBNET, Unavailable, bridged_hosts, outputs_of, start_in
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOSTS = 3
 
 

@@ -18,8 +18,8 @@ import torch
 import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
 
-from . import rpc_functions as f
-from .rpc_harness import Group, free_port, spawn_and_collect
+from tests import rpc_functions as f
+from tests.rpc_harness import Group, free_port, spawn_and_collect
 
 pytestmark = pytest.mark.timeout(120)
 

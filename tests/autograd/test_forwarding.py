@@ -13,8 +13,8 @@ import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
 from zmqautograd.rpc.errors import RpcError
 
-from . import autograd_functions as af
-from .rpc_harness import Group
+from tests import autograd_functions as af
+from tests.rpc_harness import Group
 
 pytestmark = pytest.mark.timeout(120)
 WIDTH = 8
@@ -158,7 +158,8 @@ def test_an_error_at_the_end_of_a_forwarded_chain_fails_the_pass_and_the_workers
 def _routed_pass(idle_timeout: float | None = None):
     """A pass on the worker that calls backward (worker 0) over one send function (message 7)
     of a tensor received from worker 2 (its message 5): the route this worker publishes."""
-    from zmqautograd.autograd import engine, functions
+    from zmqautograd.autograd import engine, functions, routes
+    from zmqautograd.autograd import plan as planning
     from zmqautograd.autograd.context import DistAutogradContext
 
     context = DistAutogradContext(1)
@@ -166,9 +167,9 @@ def _routed_pass(idle_timeout: float | None = None):
     received = torch.randn(3, requires_grad=True)
     recv, _ = functions.attach_recv_node([received], 1, 5, 2)
     send, keep_alive = functions.make_send_node([received])
-    plan = engine.Plan({7: [(send, 0)]})
+    plan = planning.Plan({7: [(send, 0)]})
     run = engine.Pass(context, plan, 9, False, 0, lambda *args: None, idle_timeout=idle_timeout)
-    run.published = engine.routes_for(plan, 0)
+    run.published = routes.routes_for(plan, 0)
     return run, (received, recv, keep_alive)
 
 
@@ -235,14 +236,14 @@ def test_a_report_that_never_comes_fails_the_pass_after_its_idle_timeout():
 
 
 def test_no_routes_where_the_engine_here_would_run_hooks_or_the_profiler_records():
-    from zmqautograd.autograd import engine
+    from zmqautograd.autograd import routes
 
     run, (received, recv, keep_alive) = _routed_pass()
     received.register_hook(lambda grad: grad)
-    assert engine.routes_for(run.plan, 0) is None
+    assert routes.routes_for(run.plan, 0) is None
     run, kept = _routed_pass()
     with torch.autograd.profiler.profile():
-        assert engine.routes_for(run.plan, 0) is None
+        assert routes.routes_for(run.plan, 0) is None
 
 
 @pytest.mark.parametrize("routes", [
@@ -254,24 +255,24 @@ def test_no_routes_where_the_engine_here_would_run_hooks_or_the_profiler_records
     "routes",
 ])
 def test_malformed_routes_are_errors(routes):
-    from zmqautograd.autograd import engine
+    from zmqautograd.autograd import routes
 
     with pytest.raises(RpcError, match="malformed gradient routes"):
-        engine.parse_routes(routes)
+        routes.parse_routes(routes)
 
 
 def test_forwarded_gradients_are_summed_per_slot_or_left_to_the_usual_way():
-    from zmqautograd.autograd import engine
+    from zmqautograd.autograd import routes
 
-    route = engine.parse_routes([[7, 2, 5, False, [1, 1, -1], 2]])[7]
+    route = routes.parse_routes([[7, 2, 5, False, [1, 1, -1], 2]])[7]
     metadata = tuple((torch.Size([3]), torch.float32, torch.device("cpu"), torch.strided) for _ in range(3))
     ones = torch.ones(3)
-    assert engine.forwarded_gradients(route, [ones, ones, ones], metadata)[0] is None
-    assert torch.equal(engine.forwarded_gradients(route, [ones, ones, ones], metadata)[1], torch.full((3,), 2.0))
+    assert routes.forwarded_gradients(route, [ones, ones, ones], metadata)[0] is None
+    assert torch.equal(routes.forwarded_gradients(route, [ones, ones, ones], metadata)[1], torch.full((3,), 2.0))
     for odd in (ones.double(), torch.ones(2), ones.to_sparse()):
-        assert engine.forwarded_gradients(route, [odd, None, None], metadata) is None
+        assert routes.forwarded_gradients(route, [odd, None, None], metadata) is None
     with pytest.raises(RpcError, match="applied to 2"):
-        engine.forwarded_gradients(route, [ones, ones], metadata[:2])
+        routes.forwarded_gradients(route, [ones, ones], metadata[:2])
 
 
 @pytest.mark.parametrize("report, error", [

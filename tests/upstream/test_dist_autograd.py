@@ -4,8 +4,8 @@ pytest test per upstream test, under the same name, each run by 4 real worker pr
 
 import pytest
 
-from . import dist_autograd_cases
-from .spmd import group_fixture, make_tests
+from tests import dist_autograd_cases
+from tests.spmd import group_fixture, make_tests
 
 OPTIONS = {"num_worker_threads": 8, "rpc_timeout": 60, "peer_timeout": 5}
 CLASSES = [

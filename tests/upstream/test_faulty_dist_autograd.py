@@ -3,8 +3,8 @@ cleanup succeeds on every worker while cleanup messages fail 3 times each."""
 
 import pytest
 
-from . import faulty_agent_cases
-from .spmd import group_fixture, make_tests
+from tests import faulty_agent_cases
+from tests.spmd import group_fixture, make_tests
 
 OPTIONS = {**faulty_agent_cases.GROUP_OPTIONS, "rpc_timeout": 60, "retry_delay": 0.05}
 

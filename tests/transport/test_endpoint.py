@@ -27,7 +27,7 @@ from zmqautograd.transport import (
 from zmqautograd.transport.codec import PROTOCOL_VERSION, Codec
 from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 
-from .workers import start_server, tensor_digest
+from tests.workers import start_server, tensor_digest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -436,7 +436,7 @@ def test_busy_poll_spins_after_traffic_then_sleeps():
 def _openmp_threads_of_handler_threads(results) -> None:
     """In a fresh process: set one intra-op thread count, then report the OpenMP thread count
     each kind of handler thread sees (dispatcher; I/O thread with inline_handlers)."""
-    from .rpc_functions import openmp_max_threads
+    from tests.rpc_functions import openmp_max_threads
 
     try:
         count = 1 if torch.get_num_threads() > 1 else 2  # anything but this process's default
@@ -463,7 +463,7 @@ def _openmp_threads_of_handler_threads(results) -> None:
 def test_handler_threads_use_the_intra_op_thread_count_set_before():
     """torch.set_num_threads holds on the threads that run handlers, as on PyTorch's own
     threads (transport.tensors.adopt_torch_thread_settings)."""
-    from .rpc_harness import spawn_and_collect
+    from tests.rpc_harness import spawn_and_collect
 
     [(count, seen)] = spawn_and_collect(_openmp_threads_of_handler_threads, [()])
     assert count != "error", seen

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from .spmd import SpmdGroup
+from tests.spmd import SpmdGroup
 
 pytestmark = pytest.mark.timeout(120)
 

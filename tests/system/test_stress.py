@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_a_random_mix_with_a_worker_killed_leaves_nothing_on_the_survivors():

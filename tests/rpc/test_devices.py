@@ -14,7 +14,7 @@ from zmqautograd.transport import DeviceMapError
 from zmqautograd.transport.cuda_ipc import MIN_BYTES as CUDA_IPC_MIN_BYTES
 from zmqautograd.rpc.devices import DevicePlacement, to_device_map, validate_device_maps
 
-from .rpc_harness import free_port, spawn_and_collect
+from tests.rpc_harness import free_port, spawn_and_collect
 
 pytestmark = pytest.mark.timeout(120)
 

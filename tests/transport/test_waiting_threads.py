@@ -17,7 +17,7 @@ from zmqautograd.transport import EndpointClosedError, Message, MessageType
 from zmqautograd.transport.endpoint import Endpoint
 from zmqautograd.rpc.pool import ElasticPool
 
-from .workers import start_server
+from tests.workers import start_server
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,8 +11,8 @@ import torch
 import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
 
-from . import autograd_functions as af
-from .rpc_harness import Group
+from tests import autograd_functions as af
+from tests.rpc_harness import Group
 
 pytestmark = pytest.mark.timeout(120)
 WIDTH = 8

@@ -14,7 +14,7 @@ from tests.netns import Unavailable, bridged_hosts, outputs_of, start_in
 
 yaml = pytest.importorskip("yaml")  # a test extra (pyproject.toml); Compose files are YAML
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # What a container's environment would not have: the rendezvous variables of a test runner.
 _NOT_INHERITED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 

@@ -25,8 +25,8 @@ from zmqautograd.transport import shm
 from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 from zmqautograd.transport.errors import RemoteProtocolError
 
-from .test_endpoint import Client
-from .workers import start_server
+from tests.transport.test_endpoint import Client
+from tests.workers import start_server
 
 pytestmark = [
     pytest.mark.timeout(120),

@@ -22,8 +22,8 @@ from zmqautograd.transport.endpoint import Endpoint
 from zmqautograd.transport.faults import FaultPolicy
 from zmqautograd.transport.errors import LocalProtocolError, RemoteProtocolError
 
-from .test_endpoint import Client
-from .workers import start_server, tensor_digest
+from tests.transport.test_endpoint import Client
+from tests.workers import start_server, tensor_digest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,9 +28,9 @@ from zmqautograd.rpc.errors import RendezvousError
 from zmqautograd.rpc.rendezvous import _open, _seal
 from zmqautograd.rpc.serialization import RpcCodec, encode_function
 
-from . import security_functions as sf
-from . import stranger
-from .rpc_harness import Group, admitted_member, free_port
+from tests import security_functions as sf
+from tests import stranger
+from tests.rpc_harness import Group, admitted_member, free_port
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "correct horse battery staple"
@@ -440,8 +440,8 @@ def test_a_same_host_peer_that_does_not_read_is_dropped_past_max_queued_bytes():
 
     from zmqautograd.transport import PeerLostError
 
-    from .test_endpoint import Client
-    from .workers import start_server
+    from tests.transport.test_endpoint import Client
+    from tests.workers import start_server
 
     server = start_server("frozen")
     lender = Client(server, identity="lender-x", max_queued_bytes=32 << 20)

@@ -3,8 +3,8 @@ upstream test, run by 4 real worker processes (tests/spmd.py)."""
 
 import pytest
 
-from . import dist_optimizer_cases
-from .spmd import group_fixture, make_tests
+from tests import dist_optimizer_cases
+from tests.spmd import group_fixture, make_tests
 
 OPTIONS = {"num_worker_threads": 8, "rpc_timeout": 60}
 

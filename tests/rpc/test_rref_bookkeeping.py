@@ -1,6 +1,6 @@
 """The RRef bookkeeping for lost workers (zmqautograd/rpc/rref.py), in one process: where a
 message's forks went, and what a lost worker's loss lets go. End to end, with a SIGKILL:
-tests/test_kill.py."""
+tests/system/test_kill.py."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ with fault injection on: retryable control messages fail 3 times each, calls are
 
 import pytest
 
-from . import faulty_agent_cases
-from .spmd import group_fixture, make_tests
+from tests import faulty_agent_cases
+from tests.spmd import group_fixture, make_tests
 
 OPTIONS = {**faulty_agent_cases.GROUP_OPTIONS, "rpc_timeout": 60, "retry_delay": 0.05}
 

@@ -12,8 +12,8 @@ import torch
 from zmqautograd.transport import PROTOCOL_VERSION, Codec, Message, MessageType
 from zmqautograd import rpc
 
-from . import bad_input_functions as bf
-from .rpc_harness import Group, admitted_member
+from tests import bad_input_functions as bf
+from tests.rpc_harness import Group, admitted_member
 
 pytestmark = pytest.mark.timeout(120)
 LIMIT = 1 << 20
