@@ -29,6 +29,7 @@ import torch
 from zmqautograd.transport import MessageType, PeerLostError
 
 from .. import timers
+from ..rpc import current
 from ..rpc.serialization import protocol_function
 from . import port
 from .port import AgentPort
@@ -133,8 +134,8 @@ def pass_on(agent: AgentPort, removed: list, from_worker: int) -> None:
 @protocol_function
 def cleanup_contexts(context_ids: list) -> None:
     """The receiving end of a cleanup request (CLEANUP_AUTOGRAD_CONTEXT_REQ), from the worker
-    it came over (port.caller), never one its payload names."""
-    caller = port.caller()
+    it came over (current.caller), never one its payload names."""
+    caller = current.caller()
     release_here(port.current(), context_ids, -1 if caller is None else caller)
 
 

@@ -39,13 +39,14 @@ import torch
 
 from zmqautograd.transport import MessageType
 
+from ..rpc import current
 from ..rpc.errors import RpcError
 from ..rpc.functions import is_async_function
-from ..rpc.futures import outcome_of
+from ..rpc.futures import outcome_of, settle_from
 from ..rpc.serialization import is_protocol_function, protocol_function
 from . import port as port_module
 from .context import DistAutogradContext
-from .forward import record_recv, record_send, response_metadata
+from .forward import message_metadata, record_recv, record_send
 from .hooks import AutogradHooks
 from .port import OnAnswer, Post
 
@@ -83,7 +84,7 @@ class ServedCall:
         if self.context is None:
             return None
         contexts = self._port.hooks.contexts
-        metadata = response_metadata(contexts, self.context)
+        metadata = message_metadata(contexts, self.context)
         record_send(contexts, metadata, tensors, self._sender)
         return metadata
 
@@ -128,7 +129,7 @@ class EmbeddedPort:
             answer.set_exception(exc)
             return answer
         if is_async_function(function):  # answered when the future it returned completes
-            result.add_done_callback(lambda done: _settle(answer, *outcome_of(done)))
+            result.add_done_callback(lambda done: settle_from(answer, done))
         else:
             answer.set_result(result)
         return answer
@@ -138,9 +139,7 @@ class EmbeddedPort:
         current on this thread: the call is not recorded)."""
         contexts = self._hooks.contexts
         context = contexts.current()
-        if context is None:
-            return None
-        return [context.context_id, contexts.new_message_id()]
+        return None if context is None else message_metadata(contexts, context)
 
     def record_call(self, to: int, metadata: list | None, tensors: list[torch.Tensor]) -> None:
         """The call with ``metadata`` (``call_leaving``) carries ``tensors`` to ``to``; before
@@ -181,7 +180,9 @@ class EmbeddedPort:
 
     @contextlib.contextmanager
     def _as_caller(self, sender: int) -> Iterator[None]:
-        calls = port_module._caller
+        """``sender`` is the worker whose call runs on this thread (rpc.current.caller), as
+        the RPC agent sets it for the calls it serves."""
+        calls = current._calls
         previous = getattr(calls, "rank", None)
         calls.rank = sender
         try:
@@ -281,13 +282,6 @@ def detach() -> None:
     if isinstance(port, EmbeddedPort):
         port.close()
     port_module.attach_port(None)
-
-
-def _settle(future: torch.futures.Future, value: Any, error: BaseException | None) -> None:
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(value)
 
 
 def _log_error(future: torch.futures.Future, to: int, function: Callable) -> None:

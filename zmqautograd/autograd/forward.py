@@ -38,7 +38,7 @@ def request_metadata(container: ContextContainer, message_type: MessageType, fun
     return [context.context_id, container.new_message_id()]
 
 
-def response_metadata(container: ContextContainer, context: DistAutogradContext) -> list:
+def message_metadata(container: ContextContainer, context: DistAutogradContext) -> list:
     return [context.context_id, container.new_message_id()]
 
 

@@ -16,7 +16,7 @@ from zmqautograd.transport import Message, MessageType, PeerLostError
 from ..rpc.hooks import OutgoingCall
 from . import cleanup
 from .context import ContextContainer
-from .forward import BUILTIN_TYPES, record_recv, record_send, request_metadata, response_metadata
+from .forward import BUILTIN_TYPES, message_metadata, record_recv, record_send, request_metadata
 from .plan import prepare_part, prepare_plan
 from .port import AgentPort
 
@@ -117,7 +117,7 @@ class AutogradHooks:
         tensors may require grad)."""
         if served is None or served.context is None:
             return None
-        return MessageType.FORWARD_AUTOGRAD_RESP, {"v": value, "ag": response_metadata(self.contexts, served.context)}
+        return MessageType.FORWARD_AUTOGRAD_RESP, {"v": value, "ag": message_metadata(self.contexts, served.context)}
 
     def answer_leaving(self, served: _Served, payload: dict, to: int, loopback: bool, tensors: list) -> None:
         if loopback:  # completing it here may run the caller's callbacks, on this thread: record first

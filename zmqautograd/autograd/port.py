@@ -11,7 +11,6 @@ and answers with what they return (a future: answer when it completes).
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, ContextManager, Protocol
 
 import torch
@@ -115,7 +114,6 @@ class AgentPort(Protocol):
 
 
 _embedded: AgentPort | None = None  # attached by embed.attach; else the RPC layer's agent
-_caller = threading.local()
 
 
 def current() -> AgentPort:
@@ -131,9 +129,3 @@ def attach_port(port: AgentPort | None) -> None:
     global _embedded
     _embedded = port
 
-
-def caller() -> int | None:
-    """The rank of the worker whose call runs on this thread (see rpc.current.caller)."""
-    if _embedded is not None:
-        return getattr(_caller, "rank", None)
-    return current_rpc.caller()

@@ -175,6 +175,18 @@ class Outcome:
         return self.value()
 
 
+def settle_from(target: Any, done: Any, convert: Callable | None = None) -> None:
+    """Complete ``target`` as ``done`` completed (its value through ``convert``, if given),
+    unless it is complete already."""
+    if target.done():
+        return
+    try:
+        value = done.value()
+        target.set_result(value if convert is None else convert(value))
+    except Exception as exc:  # noqa: BLE001 - the value's failure, for whoever waits on target
+        target.set_exception(exc)
+
+
 def outcome_of(future: Any) -> tuple[Any, BaseException | None]:
     """A done future's ``(value, None)``, or ``(None, error)``."""
     try:

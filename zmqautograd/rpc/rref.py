@@ -41,14 +41,13 @@ from zmqautograd.transport import MessageType
 
 from . import current
 from .errors import RpcError
-from .futures import Future
+from .futures import Future, settle_from
 from .rref_owner import (
     _backward_on_owner,
     _backward_value,
     _call_method,
     _failed,
     _fetch,
-    _settle,
     _type_on_owner,
 )
 
@@ -205,7 +204,7 @@ class RRef:
                 self._check_created()
                 asked = api.rpc_async(self.owner(), _type_on_owner, args=(self,), timeout=timeout)
                 future = Future()  # not asked.then(): it would wrap the owner's error
-                asked.add_done_callback(lambda done: _settle(future, done, resolve_function))
+                asked.add_done_callback(lambda done: settle_from(future, done, resolve_function))
             self._type_future = future
         return future.wait() if blocking else future
 

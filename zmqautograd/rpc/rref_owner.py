@@ -11,7 +11,7 @@ import torch
 from . import current
 from .errors import RpcError, SerializationError, as_operator_error, user_error
 from .functions import check_async_result, is_async_function
-from .futures import Future
+from .futures import Future, settle_from
 from .serialization import protocol_function
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: t
             # The value is what the returned future completes with, whenever it does; no
             # thread waits for it meanwhile (fetches wait on the owner's value future).
             check_async_result(function, value)
-            value.add_done_callback(lambda done: _settle(future, done))
+            value.add_done_callback(lambda done: settle_from(future, done))
         elif not future.done():  # a remote() to ourselves that timed out already failed it
             future.set_result(value)
     except BaseException as exc:  # raised to whoever fetches the value, as torch does
@@ -68,16 +68,6 @@ def _failed(future: torch.futures.Future) -> bool:
         return True
     return False
 
-def _settle(target: torch.futures.Future, done: torch.futures.Future, convert: Callable | None = None) -> None:
-    """Complete ``target`` as ``done`` completed (its value through ``convert``, if given),
-    unless it is complete already."""
-    if target.done():
-        return
-    try:
-        value = done.value()
-        target.set_result(value if convert is None else convert(value))
-    except Exception as exc:  # noqa: BLE001 - the value's failure, for whoever fetches it
-        target.set_exception(exc)
 
 @protocol_function
 def _fetch(rref_id: list) -> torch.futures.Future:
