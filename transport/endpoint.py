@@ -488,10 +488,3 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
             live.append((threading.current_thread(), socket))
             self._wake_sockets = live
         return socket
-
-    # --------------------------------------------------------------------- the I/O thread
-
-    # ----------------------------------------------- shared-memory rings (transport/shm.py)
-
-
-    # -------------------------------------------------------------- the dispatcher thread

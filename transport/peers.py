@@ -134,5 +134,3 @@ class _Peer:
 
     def __post_init__(self) -> None:
         self.routing_id = self.name.encode()
-
-

@@ -72,7 +72,9 @@ from .routes import forwarded_gradients, parse_routes
 
 log = logging.getLogger(__name__)
 
-
+_FINISHED = RpcError("finished")  # set as the error of a pass that finished: its loops stop
+_NONE: frozenset = frozenset()
+_NO_SUPPRESSION = contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- one pass
@@ -555,10 +557,4 @@ class Pass:
             self._error = exc
         log.debug("backward pass %d of context %d failed on node %d: %s", self.pass_id, self.context.context_id, self.worker_id, exc)
         self.done.set_exception(RpcError(f"Error on Node {self.worker_id}: {exc}"))
-
-
-_FINISHED = RpcError("finished")
-_NONE: frozenset = frozenset()
-_NO_SUPPRESSION = contextlib.nullcontext()
-
 

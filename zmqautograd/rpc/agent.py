@@ -242,11 +242,7 @@ class Agent(Calling, Answers, Serving):
             "rpc_timeout_sec": str(self.default_timeout),
         }
 
-    # --------------------------------------------------------------------------- calling
-
-
-    # ------------------------------------------------------------------------- receiving
-
+    # ------------------------------------------------------------------------ lost peers
 
     def _on_peer_lost(self, peer: str, error: PeerLostError) -> None:
         with self._lock:
@@ -262,11 +258,6 @@ class Agent(Calling, Answers, Serving):
         self.hooks.peer_lost(int(peer), error)  # (distributed autograd: its passes and contexts)
         # Forks it held of our values, and our RRefs kept for it (rref.py).
         self.rrefs.peer_lost(int(peer), error)
-
-    # -------------------------------------------------------------------------- timeouts
-
-
-    # -------------------------------------------------------------------------- shutdown
 
     # ------------------------------------------------------------- the shutdown barrier
 

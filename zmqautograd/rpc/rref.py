@@ -267,14 +267,3 @@ class _Proxy:
             return self._invoke(self._rref.owner(), _call_method, args=(name, self._rref, args, kwargs), timeout=self._timeout)
 
         return call
-
-
-# ------------------------------------------------- functions the owner runs (by reference)
-
-
-_fetch._wrapped_async_rpc_function = _fetch  # answered when the value is ready
-
-
-_call_method._wrapped_async_rpc_function = _call_method
-
-

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 def _context() -> RRefContext:
     return current.agent().rrefs
 
+
 @protocol_function
 def _type_on_owner(rref: RRef) -> Any:
     """On the owner, for ``RRef._get_type``: the value's type, by reference (torch's
@@ -28,6 +29,7 @@ def _type_on_owner(rref: RRef) -> Any:
     from .serialization import encode_function
 
     return encode_function(type(rref.local_value()))
+
 
 @protocol_function
 def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: tuple, kwargs: dict) -> None:
@@ -75,17 +77,21 @@ def _fetch(rref_id: list) -> torch.futures.Future:
 
 # The worker a fork request or a delete is for is the one it came from (current.caller: the
 # authenticated connection), never a rank its payload names.
+
 @protocol_function
 def _fork_request(rref_id: list, fork_id: list) -> None:
     _context().add_fork(tuple(rref_id), tuple(fork_id), current.caller())
+
 
 @protocol_function
 def _child_accept(fork_id: list) -> None:
     _context().child_accepted(tuple(fork_id), current.caller())
 
+
 @protocol_function
 def _delete_fork(rref_id: list, fork_id: list) -> None:
     _context().delete_fork(tuple(rref_id), tuple(fork_id), current.caller())
+
 
 @protocol_function
 def _backward_on_owner(rref_id: list, context_id: int, retain_graph: bool) -> None:
@@ -106,6 +112,7 @@ def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
         return
     _context().agent.hooks.backward(context_id, [value], retain_graph)  # distributed autograd's
 
+
 @protocol_function
 def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> torch.futures.Future:
     """On the owner, for the proxies (``rref.rpc_sync().method(...)``): the method's result,
@@ -123,6 +130,11 @@ def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> torch.futu
     done.set_result(result)
     return done
 
+
 @protocol_function
 def _owned_count() -> int:
     return _context().owned_count()
+
+
+_fetch._wrapped_async_rpc_function = _fetch  # answered when the value is ready
+_call_method._wrapped_async_rpc_function = _call_method
