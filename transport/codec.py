@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 import torch
@@ -51,6 +51,39 @@ class MessageType(int):
     _by_name: dict[str, "MessageType"] = {}
 
     name: str
+
+    # The types registered below, named for type checkers (``register`` sets each name as a
+    # class attribute; tests/transport/test_codec.py checks the two lists agree).
+    HELLO: ClassVar[MessageType]
+    HEARTBEAT: ClassVar[MessageType]
+    GOODBYE: ClassVar[MessageType]
+    PROTOCOL_ERROR: ClassVar[MessageType]
+    LEND_OFFER: ClassVar[MessageType]
+    LEND_READY: ClassVar[MessageType]
+    LEND_RELEASE: ClassVar[MessageType]
+    SHM_OFFER: ClassVar[MessageType]
+    SHM_START: ClassVar[MessageType]
+    PYTHON_CALL: ClassVar[MessageType]
+    PYTHON_RET: ClassVar[MessageType]
+    PYTHON_REMOTE_CALL: ClassVar[MessageType]
+    REMOTE_RET: ClassVar[MessageType]
+    PYTHON_RREF_FETCH_CALL: ClassVar[MessageType]
+    PYTHON_RREF_FETCH_RET: ClassVar[MessageType]
+    RREF_USER_DELETE: ClassVar[MessageType]
+    RREF_FORK_REQUEST: ClassVar[MessageType]
+    RREF_CHILD_ACCEPT: ClassVar[MessageType]
+    RREF_ACK: ClassVar[MessageType]
+    FORWARD_AUTOGRAD_REQ: ClassVar[MessageType]
+    FORWARD_AUTOGRAD_RESP: ClassVar[MessageType]
+    BACKWARD_AUTOGRAD_REQ: ClassVar[MessageType]
+    BACKWARD_AUTOGRAD_RESP: ClassVar[MessageType]
+    CLEANUP_AUTOGRAD_CONTEXT_REQ: ClassVar[MessageType]
+    CLEANUP_AUTOGRAD_CONTEXT_RESP: ClassVar[MessageType]
+    RUN_WITH_PROFILING_REQ: ClassVar[MessageType]
+    RUN_WITH_PROFILING_RESP: ClassVar[MessageType]
+    RREF_BACKWARD_REQ: ClassVar[MessageType]
+    RREF_BACKWARD_RESP: ClassVar[MessageType]
+    EXCEPTION: ClassVar[MessageType]
 
     def __new__(cls, code: int, name: str) -> "MessageType":
         self = super().__new__(cls, code)

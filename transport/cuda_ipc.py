@@ -182,7 +182,7 @@ def open_copy(dtype: torch.dtype, shape: list, shared: list, uuid: str | None, t
                 f"cannot open the sender's CUDA memory here ({exc}); give both workers cuda_ipc=False "
                 "where processes of one host cannot share GPU memory"
             ) from exc
-        source = torch.empty(0, dtype=dtype, device=torch.device("cuda", index)).set_(storage, 0, shape)
+        source = torch.empty(0, dtype=dtype, device=torch.device("cuda", index)).set_(storage, 0, shape)  # type: ignore[call-overload]  # (stubs lack this form)
         tensor = source.to(target, copy=True)  # on this thread's current stream, after the sender's event
         del source, storage  # the deleter waits for that stream, then gives the memory back
     return tensor

@@ -50,7 +50,7 @@ class Dispatcher:
         if message is None:
             return
         try:
-            self._on_message(message)
+            self._on_message(message)  # type: ignore[misc]  # (the dispatcher runs only with one)
         except Exception:  # on the embedder's pool nobody else would see it
             log.exception("endpoint %s: on_message failed for %s from %s", self.identity, message.type.name, peer)
 

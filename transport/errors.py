@@ -14,7 +14,10 @@ class TransportError(RuntimeError):
 
 
 class ProtocolError(TransportError):
-    """A message that does not follow the wire format."""
+    """A message that does not follow the wire format. ``message_id``: the id of the message
+    it is about, where the receiver could read it (its refusal names the message)."""
+
+    message_id: int = 0
 
 
 class LocalProtocolError(ProtocolError):

@@ -63,7 +63,7 @@ class Handshake:
     def _answer_held_zap(self: Endpoint, now: float | None = None) -> None:
         """Held ZAP requests again (membership changed), or refused (``now`` past their
         deadline)."""
-        held, self._zap_held = self._zap_held, deque()
+        held, self._zap_held = self._zap_held, deque[list[bytes]]()
         for request, deadline, why in held:
             if now is not None and now >= deadline:
                 self._answer_zap_refused(request, why)

@@ -105,7 +105,7 @@ def read_memory(pid: int, address: int, nbytes: int, into: int) -> None:
     while offset < nbytes:
         local = _IoVec(into + offset, nbytes - offset)
         remote = _IoVec(address + offset, nbytes - offset)
-        done = _process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+        done = _process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)  # type: ignore[misc]  # (only where loaded)
         if done <= 0:
             code = ctypes.get_errno() if done < 0 else errno.EFAULT
             raise OSError(code, os.strerror(code))

@@ -34,7 +34,8 @@ class Liveness:
 
     def _declare_gone_peers_lost(self: Endpoint) -> None:
         self._receive_batch()  # take what they sent before going
-        closing, self._closing = self._closing, {}
+        fresh: dict[str, str] = {}
+        closing, self._closing = self._closing, fresh
         for peer, reason in closing.items():
             self._peer_lost(peer, reason)
 

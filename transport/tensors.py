@@ -75,7 +75,7 @@ def _export_memory(address: int, nbytes: int, owner: object) -> ctypes.Array:
     zero-copy send holds a reference to the object it sends until the bytes are gone.
     """
     array = (ctypes.c_ubyte * nbytes).from_address(address)
-    array._owner = owner  # ctypes arrays take attributes; this pins the memory's owner
+    array._owner = owner  # type: ignore[attr-defined]  # ctypes arrays take attributes; this pins the owner
     return array
 
 

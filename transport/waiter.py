@@ -33,6 +33,7 @@ from _thread import allocate_lock, get_ident
 log = logging.getLogger(__name__)
 
 EXCLUSIVE = getattr(select, "EPOLLEXCLUSIVE", None) if hasattr(select, "epoll") else None
+_EXCLUSIVE_IN = select.EPOLLIN | EXCLUSIVE if EXCLUSIVE is not None else 0  # (used only with EXCLUSIVE)
 _HAS_EVENTFD = hasattr(os, "eventfd")
 
 
@@ -74,8 +75,8 @@ class Waiter:
 
     def attach(self, fd: int) -> None:
         """Watch the ROUTER's descriptor (or the doorbell's) too (another thread may call
-        this while we sleep)."""
-        self._poller.register(fd, select.EPOLLIN | EXCLUSIVE)
+        this while we sleep). Only where ``EXCLUSIVE`` exists (``reads``)."""
+        self._poller.register(fd, _EXCLUSIVE_IN)
 
     def detach(self, fd: int) -> None:
         try:
@@ -179,7 +180,7 @@ class IoPoller:
             for fd in other_fds:
                 self._poller.register(fd, select.EPOLLIN)
             for fd in shared_fds:
-                self._poller.register(fd, select.EPOLLIN | EXCLUSIVE)
+                self._poller.register(fd, _EXCLUSIVE_IN)
             self.poll = self._poll_epoll
         else:
             self._poller = select.poll()
@@ -199,7 +200,7 @@ class IoPoller:
         if EXCLUSIVE is not None:
             for fd in self._shared_fds:
                 self._poller.unregister(fd)
-                self._poller.register(fd, select.EPOLLIN | EXCLUSIVE)
+                self._poller.register(fd, _EXCLUSIVE_IN)
 
     def close(self) -> None:
         if EXCLUSIVE is not None:

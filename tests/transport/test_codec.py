@@ -104,6 +104,18 @@ def test_seed_message_type_names_exist():
         assert MessageType.by_name(name).name == name
 
 
+def test_the_built_in_types_are_the_ones_named_for_type_checkers():
+    """codec.py names each built-in type in MessageType's class body for mypy; the names and
+    the registrations must agree (a type registered but not named would pass the checks
+    here and fail a type check, one named but not registered the other way round)."""
+    import typing
+
+    named = {name for name, hint in typing.get_type_hints(MessageType).items() if name.isupper()}
+    built_in = {t.name for t in MessageType.all() if int(t) < 64}  # custom ones use codes from 64 up
+    assert named == built_in
+    assert all(getattr(MessageType, name) is MessageType.by_name(name) for name in named)
+
+
 def test_message_types_are_extensible_and_unique():
     custom = MessageType.register("TEST_CUSTOM_PING", 900)
     assert MessageType.register("TEST_CUSTOM_PING", 900) is custom

@@ -12,6 +12,7 @@ import torch
 from zmqautograd.transport import MessageType
 
 from ..rpc.errors import RpcError
+from ..rpc.functions import answered_when_done
 from ..rpc.futures import Outcome, outcome_of
 from ..rpc.serialization import protocol_function
 from . import cleanup, port
@@ -235,6 +236,7 @@ def _fail_if_lost(agent: AgentPort, run: Pass) -> None:
 
 
 @protocol_function
+@answered_when_done
 def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
                       reply_to: int = -1, ticket: int | None = None, routes: list | None = None,
                       sink: int | None = None, delegated: list | None = None) -> Outcome:
@@ -356,7 +358,7 @@ def _settle_report(agent: AgentPort, run: Pass, report: Any, error: BaseExceptio
 
 
 def _accept_gradients(agent: AgentPort, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
-                      requester: int | None = None, start: bool = True,
+                      *, requester: int | None = None, start: bool = True,
                       ticket: tuple | None = None) -> tuple[Pass, bool]:
     """Deliver the gradients for send function ``message_id`` to pass ``pass_id`` here,
     starting it if it is new and ``start`` (``requester`` waits for its answer). The pass,
@@ -390,6 +392,3 @@ def _riding_gradients(riding: tuple[RecvInfo, list] | None, pass_id: int, retain
         return None
     info, grads = riding
     return [info.context_id, info.message_id, pass_id, retain_graph, grads]
-
-
-_backward_request._wrapped_async_rpc_function = _backward_request

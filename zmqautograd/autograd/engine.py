@@ -329,7 +329,7 @@ class Pass:
             # An error in a hook fails the pass (the caller's _drain).
             if node in held:
                 grad = run_tensor_hooks(held[node], grad)
-                self.context.accumulate_grad(node.variable, grad, may_steal=grad._use_count() <= 1)
+                self.context.accumulate_grad(node.variable, grad, may_steal=grad._use_count() <= 1)  # type: ignore[attr-defined]  # (private)
             # Post hooks as the seeds' capture hook calls them: no grad_inputs (the node has
             # no outputs), the gradient it was given as grad_outputs; what they return is
             # not used.
@@ -417,7 +417,7 @@ class Pass:
             return False
         with self._lock:
             last = self._remaining == 1 and self._outstanding == 0
-        self._forward_gradients(route, forwarded, self, last)
+        self._forward_gradients(route, forwarded, self, last)  # type: ignore[misc]  # (set where routes are)
         return True
 
     def reports(self) -> list:

@@ -117,7 +117,7 @@ RECV_NODE_TYPE.hooked = _register_hook_dict is None
 
 def _note_hook_dict(node: Any, tensor: torch.Tensor) -> None:
     node.hooked = True
-    _register_hook_dict(node, tensor)
+    _register_hook_dict(node, tensor)  # type: ignore[misc]  # (installed only where it exists)
 
 
 if _register_hook_dict is not None:
@@ -318,7 +318,8 @@ def _swap(received: torch.Tensor, output: torch.Tensor) -> None:
     need swap places then, which is what swap_tensors comes down to after its checks (1.5
     against 0.2 us, measured)."""
     if (_swap_impl is not None and type(received) is torch.Tensor and type(output) is torch.Tensor
-            and received._use_count() == 1 and output._use_count() == 1 and not received.__dict__
+            and received._use_count() == 1 and output._use_count() == 1  # type: ignore[attr-defined]  # (private)
+            and not received.__dict__
             and not output.__dict__ and not weakref.getweakrefs(received)):
         _swap_impl(received, output)
     else:

@@ -100,7 +100,8 @@ def _pass_through(group: _Group, entries: dict) -> tuple:
     ``retain_grad`` (they run where the engine captures its gradient; a gone tensor's hooks
     stay on its node, which notes them), or the profiler recording (it shows the node). The
     engine then runs the group."""
-    if profiling():
+    slots = group.pass_through
+    if slots is None or profiling():  # (the caller runs only groups that have it)
         return ()
     node = group.nodes[0]
     captures = group.captures
@@ -108,7 +109,7 @@ def _pass_through(group: _Group, entries: dict) -> tuple:
     for (entry_node, slot), grad in entries.items():
         if entry_node is not node or grad is None:
             continue
-        index = group.pass_through[slot] if slot < len(group.pass_through) else None
+        index = slots[slot] if slot < len(slots) else None
         if index is None:
             continue
         target, target_slot = captures[index]

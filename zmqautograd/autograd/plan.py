@@ -137,7 +137,7 @@ def _pass_through_slots(nodes: list, captures: list) -> tuple | None:
     if len(nodes) != 1 or type(nodes[0]) is not SEND_NODE_TYPE:
         return None
     where = {edge: index for index, edge in enumerate(captures)}
-    slots = []
+    slots: list[int | None] = []
     for target, slot in nodes[0].next_functions:
         if target is None:
             slots.append(None)

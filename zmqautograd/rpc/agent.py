@@ -33,6 +33,7 @@ from .answers import Answers
 from .calls import Calling, _Pending, _ReportSink
 from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
 from .errors import RendezvousError, RpcError
+from .functions import answered_when_done
 from .futures import Future
 from .hooks import CallHooks, make_call_hooks
 from .options import ZmqRpcBackendOptions
@@ -342,13 +343,9 @@ def _make_codec(allow_pickle: bool | None, policy: CallablePolicy) -> RpcCodec:
 
 
 @protocol_function
+@answered_when_done
 def _arrive_at_shutdown(rank: int) -> torch.futures.Future:
     """On the leader: a worker arrived; which one, its connection says (``rank``, what its
     payload says, only for a call that came over none)."""
     caller = current.caller()
     return current.agent()._arrive(rank if caller is None else caller)
-
-
-_arrive_at_shutdown._wrapped_async_rpc_function = _arrive_at_shutdown
-
-

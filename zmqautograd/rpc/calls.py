@@ -208,7 +208,7 @@ class Calling:
     """The agent's outgoing calls (part of ``Agent``)."""
 
     def call(
-        self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
+        self: Agent, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
         message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
         placement: Placement | None = None, posted: tuple[Callable, Callable] | None = None,
     ) -> Any:
@@ -231,10 +231,12 @@ class Calling:
         if outgoing is not None:
             message_type = outgoing.message_type
         timeout = self.default_timeout if timeout is None or timeout == UNSET_RPC_TIMEOUT else float(timeout)
+        slot = _SyncSlot(timeout, self.endpoint.waiter()) if sync else None
+        future: _SyncSlot | _CallFuture | _PostedCall
         if posted is not None:
             future = _PostedCall(*posted)
         else:
-            future = _SyncSlot(timeout, self.endpoint.waiter()) if sync else _CallFuture()
+            future = slot if slot is not None else _CallFuture()
         message_id = next(self._ids)
         message = Message(message_type, message_id, self._me, payload)
         pending = _Pending(future, info, timeout)
@@ -245,14 +247,14 @@ class Calling:
             self._pending[message_id] = pending
             if barrier:
                 self._barrier_ids.add(message_id)
-        if sync:
-            future.message_id = message_id  # its waiter times it out (call_sync)
+        if slot is not None:
+            slot.message_id = message_id  # its waiter times it out (call_sync)
         elif timeout > 0:
             # Cancelled when the call completes (_take); one that completes before the timer
             # is set here leaves a timer that fires, finds nothing, and is gone.
             pending.timer = timers.call_later(timeout, self._expire, message_id)
         recorded = outgoing is not None and outgoing.collect_tensors
-        tensors = [] if recorded else None  # only hooks need them
+        tensors: list | None = [] if recorded else None  # only hooks need them
         try:
             frames = self._encode_to(info, message, tensors, placement)
             if recorded and not sync:
@@ -378,7 +380,7 @@ class Calling:
             raise _with_context(exc, f"cannot send a report to {info}") from None
 
     def call_sync(
-        self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float,
+        self: Agent, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float,
         message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
     ) -> Any:
         """Call and wait; a pool thread that waits lets the pool start another (nested RPCs)."""

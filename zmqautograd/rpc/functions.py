@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -21,14 +21,25 @@ def async_execution(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         return fn(*args, **kwargs)
 
-    wrapper._wrapped_async_rpc_function = fn  # torch's marker
+    setattr(wrapper, _MARKER, fn)
     return wrapper
+
+
+_F = TypeVar("_F", bound=Callable)
+_MARKER = "_wrapped_async_rpc_function"  # torch's marker of an async_execution function
+
+
+def answered_when_done(function: _F) -> _F:
+    """Mark one of the library's own functions as ``async_execution`` without wrapping it:
+    it returns a future (or an ``Outcome``), and its call is answered when that completes."""
+    setattr(function, _MARKER, function)
+    return function
 
 
 def is_async_function(function: Any) -> bool:
     """Whether ``function`` is marked ``async_execution`` (torch's marker; bound methods and
     static or class methods of marked functions are too)."""
-    return getattr(function, "_wrapped_async_rpc_function", None) is not None
+    return getattr(function, _MARKER, None) is not None
 
 
 def check_async_result(function: Any, result: Any) -> None:

@@ -49,7 +49,7 @@ def keep_without_traceback(error: BaseException) -> None:
     """Drop ``error``'s traceback (and those of the errors it was raised from), keeping what
     it said as text for ``traceback_text``."""
     if error.__traceback__ is not None and getattr(error, "_traceback_text", None) is None:
-        error._traceback_text = _formatted(error)
+        error._traceback_text = _formatted(error)  # type: ignore[attr-defined]  # (an attribute of our own)
     seen = set()
     while error is not None and id(error) not in seen:  # (a chain may loop)
         seen.add(id(error))

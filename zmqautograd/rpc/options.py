@@ -153,6 +153,8 @@ class ZmqRpcBackendOptions:
         requests (responses follow the inverse). Keys and values: ints (CUDA indices), strings
         or ``torch.device``s; the map must be 1-to-1. May be called again to add entries."""
         full = to_device_map(device_map)
+        if self.device_maps is None:  # (__post_init__ made it a dict)
+            self.device_maps = {}
         current = self.device_maps.setdefault(to, {})
         for source, target in full.items():
             if source in current and current[source] != target:

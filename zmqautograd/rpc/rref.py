@@ -66,6 +66,8 @@ class RRef:
     workers.
     """
 
+    _unsent = False  # its remote() never reached the owner (rpc.api.remote): nothing to delete there
+
     def __init__(self, value: Any, type_hint: type | None = None):
         context = current.agent().rrefs
         rref_id = context.new_id()
@@ -86,7 +88,7 @@ class RRef:
         rref._context, rref.rref_id, rref.owner_id, rref.fork_id = context, rref_id, owner_id, fork_id
         rref._type_name = type_name
         rref._confirmed = threading.Event()
-        rref._creation: torch.futures.Future = Future()  # settles with the owner's answer
+        rref._creation = Future()  # settles with the owner's answer
         context._users.add(rref)
         return rref
 
@@ -245,7 +247,7 @@ class RRef:
         try:
             if self.is_owner():
                 context.release_later(("owner", self.rref_id))
-            elif not getattr(self, "_unsent", False):  # else its remote() never went out
+            elif not self._unsent:  # else its remote() never went out
                 context.release_later(("user", self.owner_id, self.rref_id, self.fork_id))
         except Exception:  # interpreter shutdown
             pass

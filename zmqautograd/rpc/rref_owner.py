@@ -10,7 +10,7 @@ import torch
 
 from . import current
 from .errors import RpcError, SerializationError, as_operator_error, user_error
-from .functions import check_async_result, is_async_function
+from .functions import answered_when_done, check_async_result, is_async_function
 from .futures import Future, settle_from
 from .serialization import protocol_function
 
@@ -72,6 +72,7 @@ def _failed(future: torch.futures.Future) -> bool:
 
 
 @protocol_function
+@answered_when_done
 def _fetch(rref_id: list) -> torch.futures.Future:
     return _context().owner_value(tuple(rref_id))
 
@@ -114,6 +115,7 @@ def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
 
 
 @protocol_function
+@answered_when_done
 def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> torch.futures.Future:
     """On the owner, for the proxies (``rref.rpc_sync().method(...)``): the method's result,
     as a future, so that a method marked ``async_execution`` is answered when the future it
@@ -134,7 +136,3 @@ def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> torch.futu
 @protocol_function
 def _owned_count() -> int:
     return _context().owned_count()
-
-
-_fetch._wrapped_async_rpc_function = _fetch  # answered when the value is ready
-_call_method._wrapped_async_rpc_function = _call_method

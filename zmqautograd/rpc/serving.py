@@ -124,7 +124,7 @@ class Serving:
             else:
                 reply = Message(REQUEST_TYPES[request.type], request.id, me, {"v": value})
         try:
-            tensors = [] if hooked is not None else None  # only the hooks need them
+            tensors: list | None = [] if hooked is not None else None  # only the hooks need them
             caller = self.workers_by_id.get(int(to)) if to.isdigit() else None
             frames = self._encode(caller.id if caller else None, reply, tensors,
                                   self.placement.response(caller.name if caller else to), self._cuda_ipc_to(to))
