@@ -424,7 +424,9 @@ def _remember(table: dict, key: Any, value: Any) -> None:
 
 
 def _default(obj: Any) -> Any:
-    return _packers.encoding.default(obj)
+    encoding = _packers.encoding
+    assert encoding is not None, "msgpack calls this only inside _PayloadPacker.pack"
+    return encoding.default(obj)
 
 
 # The packer and unpacker are objects rather than nested closures on purpose: two closures

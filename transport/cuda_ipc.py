@@ -162,7 +162,7 @@ def _local_index(uuid: str | None, index: int) -> int:
 def check_handle(shared: Any, uuid: Any, nbytes: int) -> None:
     """Check the handle part of a CUDA IPC descriptor (the rest is checked with the other
     descriptors, transport/tensors.py) for a tensor of ``nbytes``."""
-    kinds = (int, bytes, int, int, bytes, int, (bytes, type(None)), bool)
+    kinds: tuple[type | tuple[type, ...], ...] = (int, bytes, int, int, bytes, int, (bytes, type(None)), bool)
     if type(shared) is not list or len(shared) != len(kinds) or not all(isinstance(v, k) for v, k in zip(shared, kinds)):
         raise RemoteProtocolError(f"malformed CUDA IPC handle in tensor descriptor: {shared!r:.120}")
     if not 0 < nbytes <= shared[2] or shared[3] < 0:

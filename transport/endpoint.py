@@ -76,7 +76,7 @@ from .liveness import Liveness
 from .peers import EndpointOptions, PeerState, PeerStats, _Peer
 from .ring_protocol import RingProtocol
 from .security import Membership
-from .waiter import Waiter
+from .waiter import AnyWaiter
 from .waiting import WaitingThreads
 
 log = logging.getLogger(__name__)
@@ -208,8 +208,8 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         # inline_handlers, whose handlers run where the I/O thread received.
         self._waiters_read = not inline_handlers
         self._dispatcher_reads: bool = on_message is not None and executor is None and not inline_handlers
-        self._reading_waiter: Waiter | None = None  # the one watching the ROUTER (socket lock)
-        self._recv_waiters: set[Waiter] = set()
+        self._reading_waiter: AnyWaiter | None = None  # the one watching the ROUTER (socket lock)
+        self._recv_waiters: set[AnyWaiter] = set()
 
         self._context: zmq.Context = zmq.Context()
         self.addresses: list[str] = []
@@ -373,7 +373,9 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
 
 
     def _to_inbox(self, item: tuple | None) -> None:
-        self._inbox.put(item)
+        inbox = self._inbox
+        assert inbox is not None, "only an endpoint without on_message has an inbox"
+        inbox.put(item)
         for waiter in tuple(self._recv_waiters):
             waiter.wake()
 

@@ -15,9 +15,9 @@ from .codec import Envelope, ExtensionNotDecoded, Message, MessageType
 from .errors import (
     ProtocolError,
 )
-from .io_loop import _frames_nbytes
+from .io_loop import OpenSocket, _frames_nbytes
 from .peers import PeerState, PeerStats, _Peer
-from .security import NotYetKnown, Refusal, zap_refusal
+from .security import ClusterKeys, Membership, NotYetKnown, Refusal, zap_refusal
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -33,15 +33,22 @@ def _zap_address(request: list[bytes]) -> str:
 class Handshake:
     """The endpoint's authentication and HELLO exchange (part of ``Endpoint``)."""
 
+    def _zap_and_guard(self: Endpoint) -> tuple[OpenSocket, Membership | ClusterKeys]:
+        zap, guard = self._zap, self._guard
+        assert zap is not None and guard is not None, "ZAP is answered only with a membership or a cluster secret"
+        return zap, guard
+
     def _authenticate(self: Endpoint) -> None:
         """Answer libzmq's ZAP requests: a connection without a member's credentials is
         refused here, inside the handshake, before any message of it exists."""
-        while self._zap.get(zmq.EVENTS) & zmq.POLLIN:
-            self._answer_zap(self._zap.recv_multipart(), time.monotonic() + self.options.connect_timeout)
+        zap = self._zap_and_guard()[0]
+        while zap.get(zmq.EVENTS) & zmq.POLLIN:
+            self._answer_zap(zap.recv_multipart(), time.monotonic() + self.options.connect_timeout)
 
     def _answer_zap(self: Endpoint, request: list[bytes], deadline: float) -> None:
+        zap, guard = self._zap_and_guard()
         try:
-            reply, admitted, why = self._guard.zap_reply(request, self._admissible)
+            reply, admitted, why = guard.zap_reply(request, self._admissible)
         except NotYetKnown as exc:
             # Perhaps a member whose record we have not read yet: asked again as members are
             # admitted (members_changed), refused once all are or at the deadline. A bounded
@@ -52,12 +59,12 @@ class Handshake:
                 self._answer_zap_refused(oldest, "too many connections waiting to be identified")
             held.append((request, deadline, str(exc)))
             return
-        self._zap.send_multipart(reply)
+        zap.send_multipart(reply)
         if admitted is None:
             self._refused(f"a connection from {_zap_address(request)}", why)
 
     def _answer_zap_refused(self: Endpoint, request: list[bytes], why: str) -> None:
-        self._zap.send_multipart(zap_refusal(request[1] if len(request) > 1 else b""))
+        self._zap_and_guard()[0].send_multipart(zap_refusal(request[1] if len(request) > 1 else b""))
         self._refused(f"a connection from {_zap_address(request)}", why)
 
     def _answer_held_zap(self: Endpoint, now: float | None = None) -> None:

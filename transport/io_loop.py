@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -46,6 +46,26 @@ _RECV_BATCH = 256  # messages received per loop turn before the outbox gets a lo
 
 _ZERO_COPY_MIN = 1 << 16  # smaller messages are copied into their frames (cheaper to set up)
 
+
+class OpenSocket(Protocol):
+    """What the endpoint does with its zmq sockets once they are set up, typed as it does it:
+    pyzmq's stubs type ``get`` as ``int | bytes``, and the options read through it here
+    (EVENTS) are ints, looked at on every turn of the loop (no cast there)."""
+
+    def get(self, option: int) -> int: ...
+    def recv(self, flags: int = 0, copy: bool = True) -> Any: ...  # bytes, or a zmq.Frame with copy=False
+    def send(self, data: Any, flags: int = 0, copy: bool = True, track: bool = False) -> Any: ...
+    def recv_multipart(self, flags: int = 0) -> list[bytes]: ...
+    def send_multipart(self, msg_parts: list, flags: int = 0) -> Any: ...
+    def setsockopt(self, option: int, optval: int | bytes) -> None: ...
+    def connect(self, addr: str) -> Any: ...
+    def disconnect(self, addr: str) -> None: ...
+    def close(self, linger: int | None = None) -> None: ...
+
+
+def _opened(socket: zmq.Socket) -> OpenSocket:
+    return cast(OpenSocket, socket)
+
 def _last_uncopied(frames: list) -> int:
     """The index of the last frame pyzmq hands to libzmq without a copy (-1: none)."""
     for index in range(len(frames) - 1, -1, -1):
@@ -62,6 +82,18 @@ def _frames_nbytes(frames: list) -> int:
 
 class IoThread:
     """The endpoint's I/O thread and the sending path (part of ``Endpoint``)."""
+
+    # Made by _open_sockets before the constructor returns (it waits for them), so that every
+    # thread may use them without a check.
+    _router: OpenSocket
+    _wake_pull: OpenSocket
+    _monitor: OpenSocket
+    _zap: OpenSocket | None  # only with a membership or a cluster secret
+    # The constructor's, which _open_sockets may change (no doorbell: no shared memory).
+    _shm_host: str | None
+    _bell: shm.Bell | None
+    _flags: shm.Flags | None
+    _start_error: BaseException | None
 
     def _io_main(self: Endpoint, bind_list: list[str], started: threading.Event) -> None:
         if self._inline is not None:
@@ -90,11 +122,11 @@ class IoThread:
             self._close_sockets(linger=self.options.close_linger)
 
     def _open_sockets(self: Endpoint, bind_list: list[str]) -> None:
-        self._router = None
-        self._wake_pull = self._context.socket(zmq.PULL)
-        self._wake_pull.bind(self._wake_address)
+        wake_pull = self._context.socket(zmq.PULL)
+        self._wake_pull = _opened(wake_pull)
+        wake_pull.bind(self._wake_address)
         router = self._context.socket(zmq.ROUTER)
-        self._router = router
+        self._router = _opened(router)
         router.setsockopt(zmq.ROUTING_ID, self._identity_bytes)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Never drop and never block (flow control is above us), but bounded: with
@@ -114,15 +146,16 @@ class IoThread:
         # (the connection is closed). The codec checks the whole message after that; senders
         # check it first against the limit the peer's HELLO gave, so theirs fail cleanly.
         router.setsockopt(zmq.MAXMSGSIZE, min(self.codec.max_message_bytes, (1 << 63) - 1))
-        self._monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = _opened(router.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         self._guard: Membership | ClusterKeys | None = self.membership
         if self._guard is None and self.options.cluster_secret:
             self._guard = ClusterKeys.from_secret(self.options.cluster_secret)
         self._zap = None
         self._zap_held: deque = deque()  # (request, deadline, why) of not yet known credentials
         if self._guard is not None:
-            self._zap = self._context.socket(zmq.REP)  # this thread answers libzmq's auth requests
-            self._zap.bind(ZAP_ENDPOINT)
+            zap = self._context.socket(zmq.REP)  # this thread answers libzmq's auth requests
+            self._zap = _opened(zap)
+            zap.bind(ZAP_ENDPOINT)
             self._guard.configure_listener(router)
         for address in bind_list:
             if address.startswith("tcp://") and address.endswith(":0"):
@@ -144,7 +177,7 @@ class IoThread:
                 self._shm_host = None
         self._dispatch_waiter = new_waiter(self._dispatcher_reads)
         others = [self._wake_pull, self._monitor] + ([self._zap] if self._zap is not None else [])
-        self._io_poller: IoPoller = IoPoller(self._shared_fds, [socket.getsockopt(zmq.FD) for socket in others])
+        self._io_poller: IoPoller = IoPoller(self._shared_fds, [socket.get(zmq.FD) for socket in others])
         self._by_address: dict[str, str] = {}  # connected address -> peer
         self._by_fd: dict[int, str] = {}  # accepted connection fd -> peer
         self._closing: dict[str, str] = {}  # peers whose connection is gone -> why
@@ -299,7 +332,7 @@ class IoThread:
             return
         if record is None or record.state is PeerState.LOST:
             error = record.lost_error if record else UnknownPeerError(peer, f"unknown peer {peer!r}")
-            self._report_send_error(peer, message_id, error)
+            self._report_send_error(peer, message_id, error or PeerLostError(peer, f"lost peer {peer!r}"))
             return
         if record.max_bytes is not None and nbytes > record.max_bytes:
             self._report_send_error(peer, message_id, _too_large(peer, nbytes, record.max_bytes))
@@ -444,12 +477,10 @@ class IoThread:
                 self._lend_released(self._peers[peer], envelope)
             return
         record = self._peers.get(peer)
-        stats = self._stats.get(peer)
         if envelope.type is MessageType.HELLO:
             record = self._hello(peer, frames[1], envelope)
             if record is None:
                 return  # refused (logged and counted)
-            stats = self._stats[peer]
         if record is None:
             self._protocol_error(
                 routing_id, peer, envelope, RemoteProtocolError(f"{envelope.type.name} from {peer!r} before HELLO")
@@ -459,6 +490,7 @@ class IoThread:
             log.warning("endpoint %s: dropped %s from lost peer %s", self.identity, envelope.type.name, peer)
             return
         record.last_seen = time.monotonic()
+        stats = self._stats[peer]  # made with the record
         stats.messages_received += 1
         stats.bytes_received += envelope.nbytes
         kind = envelope.type

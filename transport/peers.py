@@ -4,17 +4,17 @@ and the record the I/O thread keeps per connection."""
 from __future__ import annotations
 
 import enum
+import socket
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from . import shm
 from .errors import (
     PeerLostError,
 )
-from .lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN, Reader
+from .lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN, Offer, Reader
 
 
 @dataclass
@@ -113,15 +113,15 @@ class _Peer:
     lend: bool = False
     reader: Reader | None = None
     lent: dict = field(default_factory=dict)
-    offer: Any = None
+    offer: Offer | None = None
     # Shared memory (transport/shm.py): the ring it writes to us (we made it; read once its
     # SHM_START said it writes there) and the decoder of its stream; the ring we write to
     # it (from our SHM_START on) and the bytes that had no room in it yet; its doorbell.
-    ring_in: Any = None
+    ring_in: shm.Ring | None = None
     ring_in_active: bool = False
-    decoder: Any = None
-    ring_out: Any = None
-    peer_flags: Any = None  # its Flags page (transport/shm.py), mapped with ring_out
+    decoder: shm.StreamDecoder | None = None
+    ring_out: shm.Ring | None = None
+    peer_flags: shm.Flags | None = None  # its Flags page (transport/shm.py), mapped with ring_out
     unwritten: deque = field(default_factory=deque)
     unwritten_bytes: int = 0
     # Zero-copy messages libzmq still holds for it: (tracker of the last frame, bytes), in
@@ -129,7 +129,7 @@ class _Peer:
     in_libzmq: deque = field(default_factory=deque)
     in_libzmq_bytes: int = 0
     lent_bytes: int = 0  # of the buffers in ``lent``
-    bell: Any = None
+    bell: socket.socket | None = None
     ring_pid: int | None = None  # its pid, from its HELLO: the process whose ring we map
 
     def __post_init__(self) -> None:

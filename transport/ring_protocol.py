@@ -25,8 +25,20 @@ _RING_READS = 16  # reads of one ring per turn (a writer that never stops cannot
 _RING_CHUNK = 1 << 20  # bytes taken from a ring per read
 
 
+def _offered_number(value: object) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError("malformed SHM_OFFER")
+    return value
+
+
 class RingProtocol:
     """The endpoint's side of the shared-memory rings (part of ``Endpoint``)."""
+
+    def _own_bell(self: Endpoint) -> tuple[shm.Bell, shm.Flags]:
+        """Our doorbell and flags: made with shared memory, so there wherever a ring is."""
+        bell, flags = self._bell, self._flags
+        assert bell is not None and flags is not None, "a ring without the doorbell"
+        return bell, flags
 
     def _offer_ring(self: Endpoint, record: _Peer, hello: Any) -> None:
         """A peer on our host (``hello``: its HELLO's payload): make the ring it will write to
@@ -46,9 +58,9 @@ class RingProtocol:
         record.ring_in = ring
         # One frame more than the codec allows: a lent-buffer table may come first.
         record.decoder = shm.StreamDecoder(self.codec.max_frames + 1, self.codec.max_message_bytes + (1 << 20))
+        bell, flags = self._own_bell()
         self._send_control(record.name, MessageType.SHM_OFFER,
-                           {"fd": ring.fd, "capacity": ring.capacity, "flags": self._flags.fd,
-                            "bell": self._bell.address})
+                           {"fd": ring.fd, "capacity": ring.capacity, "flags": flags.fd, "bell": bell.address})
 
     def _ring_offered(self: Endpoint, record: _Peer, envelope: Envelope) -> None:
         """The peer made a ring for us: map it, then (through the outbox, so behind every
@@ -59,8 +71,8 @@ class RingProtocol:
         try:
             if not isinstance(payload, dict):
                 raise ValueError("malformed SHM_OFFER")
-            fd, capacity, flags_fd = payload.get("fd"), payload.get("capacity"), payload.get("flags")
-            if not all(type(v) is int and v >= 0 for v in (fd, capacity, flags_fd)) or not capacity:
+            fd, capacity, flags_fd = (_offered_number(payload.get(key)) for key in ("fd", "capacity", "flags"))
+            if not capacity:
                 raise ValueError("malformed SHM_OFFER")
             self._open_bell(record, payload)
             flags = shm.Flags.open(record.ring_pid, flags_fd)
@@ -90,7 +102,7 @@ class RingProtocol:
             ring.close()
             flags.close()
             return
-        self._send_control(peer, MessageType.SHM_START, {"bell": self._bell.address})
+        self._send_control(peer, MessageType.SHM_START, {"bell": self._own_bell()[0].address})
         record.ring_out, record.peer_flags = ring, flags
 
     def _ring_started(self: Endpoint, record: _Peer, envelope: Envelope) -> None:
@@ -111,8 +123,8 @@ class RingProtocol:
     def _receive_rings(self: Endpoint, drain: bool = True) -> None:
         """Read every ring (under the socket lock), after emptying the doorbell (``drain``);
         write what waited for room in the peers' rings."""
-        if drain:
-            self._bell.drain()
+        if drain and (bell := self._bell) is not None:
+            bell.drain()
         for record in self._rings_in:
             # Most looks find most rings empty (one pending flag stands for all of them): a
             # look at two words is cheaper than the read that would find nothing.
@@ -124,7 +136,7 @@ class RingProtocol:
 
     def _read_ring(self: Endpoint, record: _Peer) -> None:
         ring, decoder = record.ring_in, record.decoder
-        if decoder is None:
+        if decoder is None or ring is None:
             return
         routing_id = record.routing_id
         for _ in range(_RING_READS):
@@ -151,13 +163,14 @@ class RingProtocol:
                 # All there was. What the writer publishes after our look sets the pending
                 # flag or rings our doorbell (transport/shm.py): no look again needed now.
                 return
-        self._bell.ring()  # more is waiting: for the next turn (ours or another thread's)
+        self._own_bell()[0].ring()  # more is waiting: for the next turn (ours or another thread's)
 
     def _write_ring(self: Endpoint, record: _Peer, wrote: bool = False) -> None:
         """Write what waits for the peer's ring, as far as there is room (socket lock held);
         what has no room waits for the peer's doorbell call (or our next tick). Ring the peer
         unless it spins (also when ``wrote``: the caller wrote part of a message already)."""
         ring, unwritten = record.ring_out, record.unwritten
+        assert ring is not None, "callers write only to peers with a ring"
         asked = False
         while unwritten:
             piece = unwritten[0]
@@ -191,6 +204,7 @@ class RingProtocol:
         """We published data in the peer's ring: mark it pending, and ring the peer's
         doorbell unless a thread of the peer spins."""
         flags = record.peer_flags
+        assert flags is not None, "mapped with the ring"
         flags.mark_pending()
         shm.fence()  # our new tail and mark before the look at the reader's flag
         if record.bell is not None and not flags.spinning():
@@ -213,8 +227,9 @@ class RingProtocol:
             remaining = deadline - time.monotonic()
             if not self._unwritten or remaining <= 0:
                 return
-            select.select([self._bell.fd], [], [], min(remaining, 0.05))  # a reader made room
-            self._bell.drain()
+            bell = self._own_bell()[0]
+            select.select([bell.fd], [], [], min(remaining, 0.05))  # a reader made room
+            bell.drain()
 
     def _close_rings(self: Endpoint, record: _Peer) -> None:
         """Unmap the peer's rings and close its doorbell (socket lock held)."""
@@ -223,6 +238,7 @@ class RingProtocol:
             record.ring_in.close()
         if record.ring_out is not None:
             record.ring_out.close()
+        if record.peer_flags is not None:
             record.peer_flags.close()
         if record.bell is not None:
             record.bell.close()

@@ -21,6 +21,7 @@ import hmac
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import zmq
 from zmq.utils import z85
@@ -28,6 +29,12 @@ from zmq.utils import z85
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq sends authentication requests
 ENVIRONMENT_VARIABLE = "ZMQAUTOGRAD_CLUSTER_SECRET"
 ZAP_DOMAIN = b"zmqautograd"
+
+
+class SocketOptions(Protocol):
+    """A zmq socket, as far as the credentials are concerned."""
+
+    def setsockopt(self, option: int, optval: int | bytes) -> None: ...
 MECHANISMS = ("plain", "curve")
 TOKEN_BYTES = 32
 NONCE_BYTES = 16
@@ -144,31 +151,31 @@ class Membership:
 
     # ------------------------------------------------------------------ socket options
 
-    def configure_listener(self, socket: zmq.Socket) -> None:
+    def configure_listener(self, socket: SocketOptions) -> None:
         """Before bind: connections to this socket authenticate through the ZAP handler."""
         if self.mechanism == "curve":
-            socket.curve_server = True
-            socket.curve_publickey = self.own.public
-            socket.curve_secretkey = self.own.secret
+            socket.setsockopt(zmq.CURVE_SERVER, 1)
+            socket.setsockopt(zmq.CURVE_PUBLICKEY, self.own.public)
+            socket.setsockopt(zmq.CURVE_SECRETKEY, self.own.secret)
         else:
-            socket.plain_server = True
-        socket.zap_domain = ZAP_DOMAIN
+            socket.setsockopt(zmq.PLAIN_SERVER, 1)
+        socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
 
-    def configure_connect(self, socket: zmq.Socket, peer: str) -> None:
+    def configure_connect(self, socket: SocketOptions, peer: str) -> None:
         """Before connect to member ``peer`` (libzmq takes a connection's options when it is
         made, so one ROUTER is a server for what connects to it and a client of its peers)."""
         public = self._members.get(peer)
         if public is None:
             raise Refusal(f"{peer!r} is not a member")
         if self.mechanism == "curve":
-            socket.curve_server = False
-            socket.curve_serverkey = public
-            socket.curve_publickey = self.own.public
-            socket.curve_secretkey = self.own.secret
+            socket.setsockopt(zmq.CURVE_SERVER, 0)
+            socket.setsockopt(zmq.CURVE_SERVERKEY, public)
+            socket.setsockopt(zmq.CURVE_PUBLICKEY, self.own.public)
+            socket.setsockopt(zmq.CURVE_SECRETKEY, self.own.secret)
         else:
-            socket.plain_server = False
-            socket.plain_username = self.name.encode()
-            socket.plain_password = self._password(self.own.public, self.name, peer).encode()
+            socket.setsockopt(zmq.PLAIN_SERVER, 0)
+            socket.setsockopt(zmq.PLAIN_USERNAME, self.name.encode())
+            socket.setsockopt(zmq.PLAIN_PASSWORD, self._password(self.own.public, self.name, peer).encode())
 
     def _key(self, token: bytes) -> bytes:
         return token if self._secret_key is None else hmac.new(self._secret_key, token, hashlib.sha256).digest()
@@ -292,19 +299,19 @@ class ClusterKeys:
         client_public, client_secret = pair(b"client")
         return cls(server_public, server_secret, client_public, client_secret)
 
-    def configure_listener(self, socket: zmq.Socket) -> None:
+    def configure_listener(self, socket: SocketOptions) -> None:
         """Before bind: incoming connections are CURVE-server sessions."""
-        socket.curve_server = True
-        socket.curve_publickey = self.server_public
-        socket.curve_secretkey = self.server_secret
-        socket.zap_domain = ZAP_DOMAIN
+        socket.setsockopt(zmq.CURVE_SERVER, 1)
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, self.server_public)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self.server_secret)
+        socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
 
-    def configure_connect(self, socket: zmq.Socket, peer: str = "") -> None:
+    def configure_connect(self, socket: SocketOptions, peer: str = "") -> None:
         """Before connect: this outgoing connection is a CURVE client of the peer's listener."""
-        socket.curve_server = False
-        socket.curve_serverkey = self.server_public
-        socket.curve_publickey = self.client_public
-        socket.curve_secretkey = self.client_secret
+        socket.setsockopt(zmq.CURVE_SERVER, 0)
+        socket.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
+        socket.setsockopt(zmq.CURVE_PUBLICKEY, self.client_public)
+        socket.setsockopt(zmq.CURVE_SECRETKEY, self.client_secret)
 
     def zap_reply(self, request: list[bytes], admissible: Callable[[str], bool]) -> tuple[list[bytes], str | None, str]:
         """Answer one ZAP request: admit only the cluster's client key."""

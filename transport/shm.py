@@ -370,7 +370,7 @@ class StreamDecoder:
         self._pending = bytearray()
         self._need = 0  # bytes the message at the front of _pending needs, once known
 
-    def feed(self, chunk: bytearray) -> list[list[memoryview]]:
+    def feed(self, chunk: bytearray) -> list[list[bytes | memoryview]]:
         if self._pending:
             self._pending += chunk
             if len(self._pending) < self._need:

@@ -513,9 +513,8 @@ def _tensor_from_buffer(buffer: memoryview, dtype: torch.dtype, itemsize: int, c
     writable and aligned for the dtype; the tensor keeps the buffer (and its frame) alive."""
     if count == 0:
         return torch.empty(0, dtype=dtype)
-    if buffer.readonly:
-        buffer = bytearray(buffer)
-    tensor = torch.frombuffer(buffer, dtype=dtype)
+    writable = bytearray(buffer) if buffer.readonly else buffer
+    tensor = torch.frombuffer(writable, dtype=dtype)
     if itemsize > 1 and tensor.data_ptr() % itemsize:
         tensor = tensor.clone()  # ZeroMQ may hand small frames at any offset of its receive buffer
     return tensor

@@ -42,6 +42,12 @@ def _milliseconds(timeout: float) -> int:
     return max(0, int(timeout * 1000 + 0.999))
 
 
+def _close_poller(poller: select.epoll | select.poll) -> None:
+    close = getattr(poller, "close", None)  # an epoll owns a descriptor; a poll object does not
+    if close is not None:
+        close()
+
+
 class Waiter:
     """How one thread waits: a wake-up descriptor, and, while it is the reading waiter, the
     ROUTER's (``attach``/``detach``; only waiters that ``reads`` may be attached).
@@ -66,6 +72,7 @@ class Waiter:
             os.set_blocking(self._read_fd, False)
             os.set_blocking(self._write_fd, False)
         self._epoll = EXCLUSIVE is not None
+        self._poller: select.epoll | select.poll
         if self._epoll:
             self._poller = select.epoll()
             self._poller.register(self._read_fd, select.EPOLLIN)
@@ -115,11 +122,11 @@ class Waiter:
                     pass
 
     def close(self) -> None:
-        poller, self._poller = getattr(self, "_poller", None), None
-        if poller is None:
+        poller = getattr(self, "_poller", None)
+        if poller is None:  # closed already, or __init__ failed before making it
             return
-        if self._epoll:
-            poller.close()
+        del self._poller
+        _close_poller(poller)
         os.close(self._read_fd)
         if self._write_fd != self._read_fd:
             os.close(self._write_fd)
@@ -156,8 +163,15 @@ class LockWaiter:
 
     detach = attach
 
+    def has_input(self) -> bool:
+        return False  # nothing but its lock: it never reads
 
-def new_waiter(reads: bool) -> Waiter | LockWaiter:
+
+# What a waiting thread has: a Waiter, or a LockWaiter where no descriptors were left.
+AnyWaiter = Waiter | LockWaiter
+
+
+def new_waiter(reads: bool) -> AnyWaiter:
     """A :class:`Waiter`, or, where the process has no descriptors left, a :class:`LockWaiter`
     (slower, never a failure)."""
     try:
@@ -175,6 +189,7 @@ class IoPoller:
 
     def __init__(self, shared_fds: list[int], other_fds: list[int]) -> None:
         self._shared_fds = shared_fds
+        self._poller: select.epoll | select.poll
         if EXCLUSIVE is not None:
             self._poller = select.epoll()
             for fd in other_fds:
@@ -203,5 +218,4 @@ class IoPoller:
                 self._poller.register(fd, _EXCLUSIVE_IN)
 
     def close(self) -> None:
-        if EXCLUSIVE is not None:
-            self._poller.close()
+        _close_poller(self._poller)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from . import shm
-from .waiter import LockWaiter, Waiter, new_waiter
+from .waiter import AnyWaiter, Waiter, new_waiter
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -34,7 +34,9 @@ def _spin_poll(poll: Callable[[float], bool], until: float) -> bool:
 class WaitingThreads:
     """The endpoint's waiting threads (part of ``Endpoint``)."""
 
-    def waiter(self: Endpoint) -> Waiter | LockWaiter:
+    _reading_waiter: AnyWaiter | None  # the one watching the ROUTER (socket lock)
+
+    def waiter(self: Endpoint) -> AnyWaiter:
         """The calling thread's :class:`~transport.waiter.Waiter` for :meth:`wait_until`:
         whoever makes the condition of that thread's wait true calls its ``wake()``."""
         waiter = getattr(self._thread_local, "waiter", None)
@@ -51,7 +53,7 @@ class WaitingThreads:
         waiting thread. ``ready`` must be quick and must not block."""
         return self._wait(self.waiter(), ready, timeout)
 
-    def _become_reading_waiter(self: Endpoint, waiter: Waiter) -> None:
+    def _become_reading_waiter(self: Endpoint, waiter: AnyWaiter) -> None:
         """Watch the ROUTER in ``waiter``'s place from now on, with the I/O thread behind it
         (transport/waiter.py)."""
         with self._socket_lock:  # the descriptor is valid only while the ROUTER is open
@@ -65,7 +67,7 @@ class WaitingThreads:
             self._io_poller.go_last()
             self._reading_waiter = waiter
 
-    def _wait(self: Endpoint, waiter: Waiter, ready: Callable[[], bool], timeout: float | None) -> bool:
+    def _wait(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], timeout: float | None) -> bool:
         if ready():
             return True
         if waiter.reads and self._reading_waiter is not waiter:
@@ -98,17 +100,19 @@ class WaitingThreads:
         finally:
             waiter.waiting = False
 
-    def _spin(self: Endpoint, waiter: Waiter, ready: Callable[[], bool], until: float) -> bool | None:
+    def _spin(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], until: float) -> bool | None:
         """Receive without sleeping until ``ready()`` (True) or ``until`` (False), yielding
         the CPU (and the GIL) between looks; None: nothing was ready, but a ring got data as
         the spin ended (look again before sleeping). One thread spins at a time; while it
         does, peers that write to our rings need not ring our doorbell (transport/shm.py)."""
+        flags, bell = self._flags, self._bell
+        if flags is None or bell is None:
+            return False  # no shared memory here: nothing to spin on
         with self._socket_lock:
             if self._spinning or not self._router_open:
                 return False
             self._spinning = True
-            self._flags.set_spinning(True)
-        flags = self._flags
+            flags.set_spinning(True)
         clock = time.monotonic
         has_input = waiter.has_input
         result = False
@@ -148,7 +152,7 @@ class WaitingThreads:
                     shm.fence()
                     missed = flags.pending()
                     if missed and result:
-                        self._bell.ring()  # we leave: whoever sleeps takes it
+                        bell.ring()  # we leave: whoever sleeps takes it
         return None if missed and not result else result
 
     def _read_for_waiter(self: Endpoint, rings_only: bool = False) -> None:

@@ -193,7 +193,7 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
     ``Pass._fire_recv``) were delivered here."""
     agent = _agent()
     placement = agent.placement_back(info.from_worker, info.in_response)
-    args = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads, agent.rank if awaited else -1)
+    args: tuple = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads, agent.rank if awaited else -1)
     if ticketed:
         ticket = agent.hooks.contexts.new_message_id()
         run.expect(ticket, info.from_worker)

@@ -263,8 +263,9 @@ class ContextContainer:
     # Creating, finding and releasing.
 
     def new_context(self) -> DistAutogradContext:
-        if self.current() is not None:
-            raise RpcError(f"Already have an autograd context id for this thread: {self.current().context_id}")
+        current = self.current()
+        if current is not None:
+            raise RpcError(f"Already have an autograd context id for this thread: {current.context_id}")
         context = DistAutogradContext(self._next_id(self._context_counter, "autograd context"))
         with self._lock:
             self._contexts[context.context_id] = context

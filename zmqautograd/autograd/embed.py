@@ -219,20 +219,20 @@ class EmbeddedPort:
     def is_lost(self, worker: int) -> bool:
         return worker in self._lost
 
-    def call(self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
+    def call(self, to: int, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
              message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
-             placement: Any = None, posted: tuple[Post, OnAnswer] | None = None) -> Any:
-        future = self.send_call(int(to), function, tuple(args or ()))
+             placement: Any = None, posted: tuple[Post, OnAnswer] | None = None) -> torch.futures.Future:
+        future = self.send_call(to, function, tuple(args or ()))
         if posted is not None:
             post, on_answer = posted
             future.add_done_callback(lambda done: post(on_answer, *outcome_of(done)))
         return future
 
-    def notify(self, to: Any, function: Callable, args: Any, message_type: MessageType, placement: Any = None) -> None:
-        self.send_one_way(int(to), function, tuple(args or ()))
+    def notify(self, to: int, function: Callable, args: Any, message_type: MessageType, placement: Any = None) -> None:
+        self.send_one_way(to, function, tuple(args or ()))
 
-    def call_retrying(self, to: Any, function: Callable, args: Any, message_type: MessageType) -> torch.futures.Future:
-        return self.send_call(int(to), function, tuple(args or ()))
+    def call_retrying(self, to: int, function: Callable, args: Any, message_type: MessageType) -> torch.futures.Future:
+        return self.send_call(to, function, tuple(args or ()))
 
     def open_sink(self, post: Post, on_report: OnAnswer) -> int:
         sink_id = next(self._sink_ids)
@@ -242,8 +242,8 @@ class EmbeddedPort:
     def close_sink(self, sink_id: int) -> None:
         self._sinks.pop(sink_id, None)
 
-    def report(self, to: Any, sink_id: int, value: Any, placement: Any = None) -> None:
-        self.send_one_way(int(to), deliver_report, (sink_id, value))
+    def report(self, to: int, sink_id: int, value: Any, placement: Any = None) -> None:
+        self.send_one_way(to, deliver_report, (sink_id, value))
 
     def placement_back(self, worker: int, in_response: bool) -> None:
         return None  # tensors travel as the framework sends them

@@ -223,7 +223,9 @@ class Pass:
         self._post_home((function, args))
 
     def _post_home(self, item: tuple | None) -> None:
-        self._home_queue.put(item)
+        home_queue = self._home_queue
+        assert home_queue is not None, "only the pass on the caller's thread has a home"
+        home_queue.put(item)
         if self._home_wake is not None:
             self._home_wake()
 
@@ -231,6 +233,7 @@ class Pass:
         """On the caller's thread: run the work other threads hand over, until the pass is
         done (its ``done`` future then holds the outcome)."""
         work = self._home_queue
+        assert work is not None, "only the pass on the caller's thread has a home"
         wait = self._home_wait
 
         def has_work() -> bool:
@@ -409,7 +412,7 @@ class Pass:
     def _forward(self, info: RecvInfo, grads: list) -> bool:
         """Send the gradients of a recv function whose tensors the originator sent straight
         to where its route leads, if it has one and they need no conversion there."""
-        route = self.routes.get(info.message_id)
+        route = self.routes.get(info.message_id) if self.routes is not None else None
         if route is None:
             return False
         forwarded = forwarded_gradients(route, grads, info.metadata)
@@ -436,8 +439,9 @@ class Pass:
             if (type(forward) is not list or len(forward) != 3 or not all(type(item) is int for item in forward)):
                 raise RpcError(f"malformed forwarding announcement {forward!r:.80}")
             ticket, key, peer = forward
-            entry = self.plan.forwardable().get(key) if self.published is not None else None
-            if entry is None or not any(route[0] == key for route in self.published):
+            published = self.published
+            entry = self.plan.forwardable().get(key) if published is not None else None
+            if entry is None or not any(route[0] == key for route in published or ()):
                 raise RpcError(f"backward pass {self.pass_id}: gradients of send function {key} were forwarded, "
                                "which this pass did not route")
             index = entry[0]

@@ -29,7 +29,7 @@ class _Served:
 
     __slots__ = ("sender", "context", "releases", "removed")
 
-    def __init__(self, sender: str, context: Any, releases: Any) -> None:
+    def __init__(self, sender: int | str, context: Any, releases: Any) -> None:
         self.sender = sender
         self.context = context
         self.releases = releases
@@ -150,7 +150,7 @@ class AutogradHooks:
         if served is not None and served.releases is not None:
             self._release_riding(served.sender, served.releases, served.removed)
 
-    def _release_riding(self, sender: str, releases: Any, removed: list | None) -> None:
+    def _release_riding(self, sender: int | str, releases: Any, removed: list | None) -> None:
         """Apply the context releases that rode on a call from ``sender``: all of them, or,
         given those removed before the call ran, pass those on."""
         try:
@@ -161,7 +161,7 @@ class AutogradHooks:
         except Exception:  # noqa: BLE001 - never the call's failure
             log.exception("%s: releasing the contexts %s from %s failed", self.agent.info, releases, sender)
 
-    def _remove_riding(self, sender: str, releases: Any) -> list:
+    def _remove_riding(self, sender: int | str, releases: Any) -> list:
         try:
             return cleanup.remove_here(self.agent, releases)
         except Exception:  # noqa: BLE001 - never the call's failure

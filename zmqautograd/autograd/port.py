@@ -50,7 +50,7 @@ class AgentPort(Protocol):
     def rank(self) -> int: ...
 
     @property
-    def info(self) -> Any:
+    def info(self) -> object:
         """This worker, as log lines name it."""
         ...
 
@@ -75,7 +75,7 @@ class AgentPort(Protocol):
         """Whether ``worker`` is gone for good (its passes and contexts are failed)."""
         ...
 
-    def call(self, to: Any, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
+    def call(self, to: int, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
              message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
              placement: Any = None, posted: tuple[Post, OnAnswer] | None = None) -> Any:
         """Run ``function(*args)`` on ``to``: a future of its answer. With ``posted`` =
@@ -83,12 +83,12 @@ class AgentPort(Protocol):
         instead (the pass's own thread decodes and handles it)."""
         ...
 
-    def notify(self, to: Any, function: Callable, args: Any, message_type: MessageType,
+    def notify(self, to: int, function: Callable, args: Any, message_type: MessageType,
                placement: Any = None) -> None:
         """Run ``function(*args)`` on ``to``, one-way. Raises only when it cannot be sent."""
         ...
 
-    def call_retrying(self, to: Any, function: Callable, args: Any, message_type: MessageType) -> torch.futures.Future:
+    def call_retrying(self, to: int, function: Callable, args: Any, message_type: MessageType) -> torch.futures.Future:
         """``call`` of an idempotent function, retried when it fails to arrive."""
         ...
 
@@ -98,7 +98,7 @@ class AgentPort(Protocol):
 
     def close_sink(self, sink_id: int) -> None: ...
 
-    def report(self, to: Any, sink_id: int, value: Any, placement: Any = None) -> None:
+    def report(self, to: int, sink_id: int, value: Any, placement: Any = None) -> None:
         """Send ``value`` to the sink ``sink_id`` that ``to`` opened; one-way."""
         ...
 
@@ -122,7 +122,7 @@ def current() -> AgentPort:
     port = _embedded
     if port is not None:
         return port
-    return current_rpc.agent()  # type: ignore[no-any-return]
+    return current_rpc.agent()  # (mypy checks here that the RPC layer's Agent is an AgentPort)
 
 
 def attach_port(port: AgentPort | None) -> None:

@@ -150,8 +150,8 @@ class Agent(Calling, Answers, Serving):
     def _device_record(self) -> dict:
         """What peers need of our devices: our maps (checked by all), devices, CUDA count."""
         return {
-            "maps": encode_maps(self.options.device_maps),
-            "devices": [str(d) for d in self.options.devices],
+            "maps": encode_maps(self.options.device_maps or {}),  # (dicts and lists once the options are made)
+            "devices": [str(d) for d in self.options.devices or []],
             "count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         }
 

@@ -34,11 +34,11 @@ _INLINE_MAX_BYTES = 1 << 16  # bigger answers are decoded on the pool (CUDA copi
 class Answers:
     """The agent's pending calls and their answers (part of ``Agent``)."""
 
-    def _report_sink(self: Agent, message_id: int, sender: str) -> tuple[_ReportSink, WorkerInfo] | None:
+    def _report_sink(self: Agent, message_id: int, sender: int | str) -> tuple[_ReportSink, WorkerInfo] | None:
         """The open sink an answer with no pending call reports to, and the member that sent
         it; None if it is no report (a late answer, or from no member)."""
         sink = self._sinks.get(message_id) if self._sinks else None
-        if sink is None or not sender.isdigit():
+        if sink is None or not str(sender).isdigit():
             return None
         info = self.workers_by_id.get(int(sender))
         return None if info is None else (sink, info)

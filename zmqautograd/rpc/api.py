@@ -146,12 +146,11 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
     context = agent.rrefs
     rref_id = context.new_id()
     type_name = getattr(func, "__qualname__", type(func).__qualname__)
-    owned_here = info.id == agent.rank
-    fork_id = None if owned_here else context.new_id()
+    fork_id = None if info.id == agent.rank else context.new_id()  # (None: owned here)
     call_args = (list(rref_id), fork_id and list(fork_id), encode_function(func), tuple(args or ()), dict(kwargs or {}))
     # As torch's, remote() returns an RRef even when the call fails to go out: the failure
     # is the RRef's creation error, raised when it is used (to_here, passing it on).
-    if owned_here:  # the local handle exists before the call can run
+    if fork_id is None:  # owned here: the local handle exists before the call can run
         rref = RRef._owner_handle(context, rref_id, type_name)
         rref._creation = Future()
 

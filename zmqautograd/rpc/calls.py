@@ -22,7 +22,7 @@ from zmqautograd.transport import (
     UnknownPeerError,
 )
 from zmqautograd.transport import faults as transport_faults
-from zmqautograd.transport.waiter import Waiter
+from zmqautograd.transport.waiter import AnyWaiter
 
 from .. import timers
 from .devices import Placement
@@ -55,7 +55,7 @@ class _SyncSlot:
 
     __slots__ = ("waiter", "finished", "envelope", "value", "error", "to", "message_id", "timeout")
 
-    def __init__(self, timeout: float, waiter: Waiter) -> None:
+    def __init__(self, timeout: float, waiter: AnyWaiter) -> None:
         self.waiter = waiter  # the calling thread's
         self.finished = False
         self.envelope: Envelope | None = None
@@ -253,12 +253,12 @@ class Calling:
             # Cancelled when the call completes (_take); one that completes before the timer
             # is set here leaves a timer that fires, finds nothing, and is gone.
             pending.timer = timers.call_later(timeout, self._expire, message_id)
-        recorded = outgoing is not None and outgoing.collect_tensors
-        tensors: list | None = [] if recorded else None  # only hooks need them
+        recording = outgoing if outgoing is not None and outgoing.collect_tensors else None
+        tensors: list | None = [] if recording is not None else None  # only hooks need them
         try:
             frames = self._encode_to(info, message, tensors, placement)
-            if recorded and not sync:
-                hooks.call_recorded(info.id, outgoing, tensors, False)
+            if recording is not None and tensors is not None and not sync:
+                hooks.call_recorded(info.id, recording, tensors, False)
             self._transmit(info, message, frames)
         except BaseException as exc:
             self._claim(message_id)  # never sent: nothing will complete it
@@ -266,13 +266,13 @@ class Calling:
             if isinstance(exc, (TransportError, SerializationError)):
                 raise _with_context(exc, f"cannot send a call to {info}") from None
             raise
-        if recorded and sync:
+        if recording is not None and tensors is not None and sync:
             # Recorded while the call is on its way: nothing needs distributed autograd's send
             # function before this thread's wait for the answer ends (a backward pass over it
             # starts after that, on this thread), and the recording then costs no latency.
             # Other calls record first: their answer may start a pass on another thread at once.
             try:
-                hooks.call_recorded(info.id, outgoing, tensors, True)
+                hooks.call_recorded(info.id, recording, tensors, True)
             except BaseException:
                 self._claim(message_id)  # its answer, when it comes, is dropped
                 raise

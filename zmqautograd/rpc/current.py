@@ -5,9 +5,13 @@ import statement on every call costs more than the rest of a small call's bookke
 from __future__ import annotations
 
 import threading
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-_api: Any = None  # zmqautograd.rpc.api, bound on first use
+if TYPE_CHECKING:
+    from .agent import Agent
+
+_api: ModuleType | None = None  # zmqautograd.rpc.api, bound on first use
 _calls = threading.local()  # .rank: the worker whose call this thread runs (agent._run_call)
 
 
@@ -17,11 +21,12 @@ def caller() -> int | None:
     return getattr(_calls, "rank", None)
 
 
-def agent() -> Any:
+def agent() -> Agent:
     """The current agent; RpcNotInitializedError when there is none (see ``rpc.api._current``)."""
     global _api
     if _api is None:
         from . import api
 
         _api = api
-    return _api._current()
+    current: Agent = _api._current()
+    return current

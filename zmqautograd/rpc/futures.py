@@ -51,10 +51,11 @@ def keep_without_traceback(error: BaseException) -> None:
     if error.__traceback__ is not None and getattr(error, "_traceback_text", None) is None:
         error._traceback_text = _formatted(error)  # type: ignore[attr-defined]  # (an attribute of our own)
     seen = set()
-    while error is not None and id(error) not in seen:  # (a chain may loop)
-        seen.add(id(error))
-        error.__traceback__ = None
-        error = error.__cause__ or error.__context__
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:  # (a chain may loop)
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
 
 
 def traceback_text(error: BaseException) -> str:
@@ -71,7 +72,7 @@ def _raise_copy(error: Exception) -> None:
     raise _copy(error)
 
 
-def _copy(error: Exception) -> Exception:
+def _copy(error: BaseException) -> BaseException:
     """A new exception of ``error``'s type, message and attributes (not its traceback)."""
     try:
         fresh = copy.copy(error)  # through __reduce__: right for types that define it
@@ -104,7 +105,7 @@ class Outcome:
         self._finished = False
         self._value: Any = None
         self._error: BaseException | None = None
-        self._callbacks: list | None = []
+        self._callbacks: list[Callable[[Outcome], Any]] = []
         self._event: threading.Event | None = None  # made by the first wait() that blocks
 
     def done(self) -> bool:
@@ -123,7 +124,7 @@ class Outcome:
                 raise RuntimeError("this Outcome was set already")
             self._value, self._error = value, error
             self._finished = True
-            callbacks, self._callbacks = self._callbacks, None
+            callbacks, self._callbacks = self._callbacks, []  # (added from now on: run at once)
             event = self._event
         if event is not None:
             event.set()

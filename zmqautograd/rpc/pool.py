@@ -52,7 +52,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zmqautograd.transport.endpoint import Endpoint
+    from zmqautograd.transport.waiter import AnyWaiter
 
 log = logging.getLogger(__name__)
 
@@ -126,14 +130,14 @@ class ElasticPool:
         self._last_progress = time.monotonic()
         self._closed = False
         self._serial = 0
-        self._receiver: Any = None  # the endpoint an idle thread receives from (receive_while_idle)
+        self._receiver: Endpoint | None = None  # the endpoint an idle thread receives from (receive_while_idle)
         self._reader: threading.Thread | None = None  # the idle thread that receives
-        self._reader_waiter: Any = None  # its Waiter, once it sleeps
+        self._reader_waiter: AnyWaiter | None = None  # its Waiter, once it sleeps
         self._reader_woken = False  # woken for work (counted in _waking)
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self._watchdog.start()
 
-    def receive_while_idle(self, endpoint: Any) -> None:
+    def receive_while_idle(self, endpoint: Endpoint) -> None:
         """Let one idle thread at a time wait in ``endpoint.wait_until``, receiving (see the
         module's docstring). Its ``executor`` must be this pool's ``submit``."""
         self._receiver = endpoint
@@ -355,12 +359,14 @@ class ElasticPool:
         """Be the reader until work comes (caller holds the lock; released meanwhile: the
         endpoint takes its socket lock, and its receiving calls ``submit``)."""
         self._reader = me
+        receiver = self._receiver
+        assert receiver is not None, "called only while there is one"
         self._lock.release()
         try:
-            waiter = self._receiver.waiter()
+            waiter = receiver.waiter()
             with self._lock:
                 self._reader_waiter = waiter
-            self._receiver.wait_until(stop_reading)
+            receiver.wait_until(stop_reading)
         except Exception:  # the endpoint is unusable: wait on the condition from now on
             log.exception("pool %s: receiving while idle failed", self.name)
             self._receiver = None

@@ -157,6 +157,7 @@ def _open_store(init_method: str, rank: int, world_size: int, timeout: float) ->
     url = urlparse(init_method)
     try:
         if url.scheme in ("env", "tcp"):
+            port: str | int | None
             if url.scheme == "env":
                 host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
                 if not host or not port:

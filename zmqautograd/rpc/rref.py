@@ -67,6 +67,9 @@ class RRef:
     """
 
     _unsent = False  # its remote() never reached the owner (rpc.api.remote): nothing to delete there
+    rref_id: RRefId
+    owner_id: int
+    fork_id: RRefId | None  # this user's own id; None on the owner
 
     def __init__(self, value: Any, type_hint: type | None = None):
         context = current.agent().rrefs
@@ -142,7 +145,7 @@ class RRef:
         return self._creation
 
     def local_value(self) -> Any:
-        if not self.is_owner():
+        if self.fork_id is not None:  # a user
             raise RuntimeError(  # torch's message
                 f"For UserRRef(rref_id={_unique_id(self.rref_id)}, fork_id={_unique_id(self.fork_id)}), "
                 f"can't call localValue() on user {self._context.agent.info}. Call it on owner {self.owner()}"
@@ -227,7 +230,7 @@ class RRef:
         return _Proxy(self, api.remote, timeout)
 
     def __str__(self) -> str:  # torch's format (py_rref.cpp)
-        if self.is_owner():
+        if self.fork_id is None:
             return f"OwnerRRef({_unique_id(self.rref_id)})"
         return f"UserRRef(RRefId = {_unique_id(self.rref_id)}, ForkId = {_unique_id(self.fork_id)})"
 

@@ -324,6 +324,7 @@ class RRefContext:
         """Fork ``rref`` for whoever receives this message."""
         rref._check_created()
         fork_id = self.new_id()
+        made: tuple[RRefId | None, RRefId]
         if rref.is_owner():
             # The owner registers the fork itself; the receiver's delete will remove it.
             self.add_fork(rref.rref_id, fork_id)

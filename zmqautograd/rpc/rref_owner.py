@@ -32,11 +32,11 @@ def _type_on_owner(rref: RRef) -> Any:
 
 
 @protocol_function
-def _run_remote(rref_id: list, fork_id: list | None, function: Callable, args: tuple, kwargs: dict) -> None:
+def _run_remote(rref_id_sent: list, fork_id: list | None, function: Callable, args: tuple, kwargs: dict) -> None:
     """On the owner, for remote(): register the caller's fork, run, keep the value."""
     from .serialization import resolve_function
 
-    context, rref_id = _context(), tuple(rref_id)
+    context, rref_id = _context(), tuple(rref_id_sent)
     caller = current.caller()
     if caller is not None and (rref_id[0] != caller or (fork_id is not None and fork_id[0] != caller)):
         # remote()'s caller makes the ids (RRefContext.new_id): others' are not its to name.

@@ -192,14 +192,15 @@ def function_reference(function: Callable) -> tuple[str, str] | None:
 
 
 def _find_reference(function: Callable) -> tuple[str, str] | None:
-    candidates = []
+    candidates: list[tuple[str, str]] = []
     module = getattr(function, "__module__", None)
     for name in (getattr(function, "__qualname__", None), getattr(function, "__name__", None)):
         if module and name:
             candidates.append((module, name))
     scripted = getattr(function, "qualified_name", None)  # torch.jit.script functions
     if isinstance(scripted, str) and scripted.startswith("__torch__.") and "." in scripted[10:]:
-        candidates.append(tuple(scripted[10:].rsplit(".", 1)))
+        scripted_module, scripted_name = scripted[10:].rsplit(".", 1)
+        candidates.append((scripted_module, scripted_name))
     owner = getattr(function, "__objclass__", None)  # method descriptors such as torch.Tensor.add
     if owner is not None and getattr(function, "__name__", None):
         candidates.append((owner.__module__, f"{owner.__qualname__}.{function.__name__}"))

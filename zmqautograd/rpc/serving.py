@@ -109,6 +109,7 @@ class Serving:
         """Send a call's result (or its error) back to the caller; the hooks may add to a
         result (distributed autograd records it: its tensors may require grad)."""
         to = request.sender
+        assert type(to) is str, "the endpoint admits no sender but its peers' names"
         me = self._me
         if request.payload.get("n"):  # one-way (notify): nobody waits for an answer
             if error is not None:
@@ -123,10 +124,10 @@ class Serving:
                 reply = Message(hooked[0], request.id, me, hooked[1])
             else:
                 reply = Message(REQUEST_TYPES[request.type], request.id, me, {"v": value})
+        tensors: list = []  # what the reply carries, collected only for the hooks
         try:
-            tensors: list | None = [] if hooked is not None else None  # only the hooks need them
             caller = self.workers_by_id.get(int(to)) if to.isdigit() else None
-            frames = self._encode(caller.id if caller else None, reply, tensors,
+            frames = self._encode(caller.id if caller else None, reply, tensors if hooked is not None else None,
                                   self.placement.response(caller.name if caller else to), self._cuda_ipc_to(to))
         except (LocalProtocolError, SerializationError, DeviceMapError) as exc:
             # The result itself cannot travel (or has no device map back): the caller gets
