@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -21,6 +22,24 @@ def structure(value):
 
 def raise_value_error(message):
     raise ValueError(message)
+
+
+_captured_log: list[str] = []
+
+
+class _LogCapture(logging.Handler):
+    def emit(self, record):
+        _captured_log.append(record.getMessage())
+
+
+def capture_rpc_log():
+    """From now on, keep what zmqautograd.rpc logs on this worker (captured_rpc_log)."""
+    _captured_log.clear()
+    logging.getLogger("zmqautograd.rpc").addHandler(_LogCapture())
+
+
+def captured_rpc_log():
+    return list(_captured_log)
 
 
 class NeedsTwoArguments(Exception):
@@ -166,6 +185,10 @@ def rref_to_here(rref):
 
 def rref_owner_name_and_value(rref):
     return rref.owner_name(), rref.to_here(), rref.is_owner()
+
+
+def rref_confirmed(rref):
+    return rref.confirmed_by_owner()
 
 
 def make_rref_here(value):

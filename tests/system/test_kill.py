@@ -105,6 +105,10 @@ def test_kill_mid_forward(group):
     print(f"\nkill mid-forward: the pending call failed {detected * 1000:.0f} ms after SIGKILL: {caught.value}")
     assert isinstance(caught.value, rpc.RpcError) or "lost" in str(caught.value)
     assert detected < DETECTED
+    # A call to the dead worker is a future that fails, as torch's (it does not raise at the call).
+    dead = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+    with pytest.raises(RuntimeError, match="lost peer '1'"):
+        dead.wait()
     _assert_still_serving()
 
 

@@ -404,7 +404,10 @@ def test_limits_hold_before_memory_is_spent():
                     "f": encode_function(torch.ones), "a": [1 << 20], "k": {}})))
             _wait_until(lambda: rpc.rpc_sync("worker1", sf.is_lost, args=("sink",)))
             during = rpc.rpc_sync("worker1", sf.resources)
-        assert during["rss"] - before["rss"] < 256 << 20, (before, during)  # (1.6 GiB unbounded)
+        # (1.6 GiB unbounded.) What the allocator keeps of the answers it freed varies: up to
+        # ~360 MiB was seen on a loaded 2-vCPU machine with numpy installed (torch imports it;
+        # cause not established), 256 MiB without it.
+        assert during["rss"] - before["rss"] < 512 << 20, (before, during)
         assert torch.equal(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)), torch.full((2,), 2.0))
     finally:
         group.shutdown()

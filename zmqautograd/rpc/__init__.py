@@ -4,12 +4,13 @@ Port code by changing ``import torch.distributed.rpc as rpc`` to
 ``import zmqautograd.rpc as rpc``.
 """
 
-from . import functions
+from . import constants, functions
 from .agent import WorkerInfo
 from .api import (
     _get_current_rpc_agent,
     _get_debug_info,
     _get_rpc_timeout,
+    get_rpc_timeout,
     _is_initialized,
     _rref_context_get_debug_info,
     _set_rpc_timeout,
@@ -34,13 +35,14 @@ from .options import (
     DEFAULT_RPC_TIMEOUT_SEC,
     UNSET_RPC_TIMEOUT,
     BackendType,
+    RpcBackendOptions,
     TensorPipeRpcBackendOptions,
     ZmqRpcBackendOptions,
 )
 from .rref import RRef
 
 __all__ = [
-    "functions", "WorkerInfo", "get_worker_info", "init_rpc", "remote", "RRef", "rpc_async", "rpc_sync", "shutdown",
+    "constants", "functions", "WorkerInfo", "get_rpc_timeout", "RpcBackendOptions", "get_worker_info", "init_rpc", "remote", "RRef", "rpc_async", "rpc_sync", "shutdown",
     "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized", "_get_current_rpc_agent", "is_available",
     "_get_debug_info", "_rref_context_get_debug_info",
     "OperatorArgumentsError", "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",

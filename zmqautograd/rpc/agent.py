@@ -211,19 +211,20 @@ class Agent(Calling, Answers, Serving):
         if isinstance(to, WorkerInfo):
             info = self.workers_by_id.get(to.id)
             if info is None or info.name != to.name:
-                raise RpcError(f"unknown worker {to}")
+                raise RpcError(f"could not find destination {to}: no such worker in the group")
             return info
         if isinstance(to, str):
             info = self.workers.get(to)
             if info is None:
-                raise RpcError(f"unknown destination worker {to!r}; workers are {sorted(self.workers)}")
+                raise RpcError(f"could not find destination worker {to!r}; workers are {sorted(self.workers)}")
             return info
         if isinstance(to, int) and not isinstance(to, bool):
             info = self.workers_by_id.get(to)
             if info is None:
-                raise RpcError(f"unknown destination worker id {to}; ids are 0..{len(self.workers) - 1}")
+                raise RpcError(f"could not find destination worker id {to}; ids are 0..{len(self.workers) - 1}")
             return info
-        raise TypeError(f"'to' must be a worker name, id or WorkerInfo, got {type(to).__qualname__}")
+        # torch's type and message (rpc/api.py, _to_worker_info).
+        raise ValueError(f"Cannot get WorkerInfo from name {to}: a worker is named by its name, id or WorkerInfo")
 
     def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
         """As torch's agents: this worker's info, or the named worker's."""

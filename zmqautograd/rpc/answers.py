@@ -103,6 +103,9 @@ class Answers:
             payload = self.codec.decode_payload(envelope, tensors)
         except Exception as exc:
             return None, SerializationError(f"cannot decode the response from {to}: {exc}")
+        finally:
+            if self.rrefs.forks_registered:
+                self.rrefs.take_registering()  # only a call waits for its RRefs' registration (serving.py)
         return self._response_value(Message(envelope.type, envelope.id, envelope.sender, payload, tensors), to)
 
     def _response_value(self: Agent, message: Message, to: WorkerInfo) -> tuple[Any, BaseException | None]:

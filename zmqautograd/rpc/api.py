@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
-from typing import Any, Callable
+from datetime import timedelta
+from typing import Any, Callable, Iterator
 
 import torch
 
-from zmqautograd.transport import MessageType, TransportError
+from zmqautograd.transport import MessageType, PeerError, TransportError
 
 from .agent import Agent, WorkerInfo
 from .errors import RpcError, RpcNotInitializedError
 from .futures import Future
-from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT, BackendType, ZmqRpcBackendOptions
+from .constants import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT
+from .options import BackendType, ZmqRpcBackendOptions
 from .rendezvous import Rendezvous
 from .rref import RRef
 from .rref_owner import _run_remote
@@ -26,13 +29,18 @@ _state_lock = threading.Lock()
 _closing: Agent | None = None  # between shutdown unpublishing the agent and its close
 
 
-def _current() -> Agent:
+# torch's two messages: its Python API's, and its C++ layers' (RRefs, dist autograd).
+NOT_INITIALIZED = "RPC has not been initialized. Call zmqautograd.rpc.init_rpc first."
+AGENT_NOT_SET = "Current RPC agent is not set! Did you initialize the RPC framework (e.g. by calling `rpc.init_rpc`)?"
+
+
+def _current(missing: str = NOT_INITIALIZED) -> Agent:
     agent = _agent
     if agent is None:
         closing = _closing
         if closing is not None:
             raise RpcNotInitializedError(f"RPC is shutting down on {closing.info}")
-        raise RpcNotInitializedError("RPC has not been initialized. Call zmqautograd.rpc.init_rpc first.")
+        raise RpcNotInitializedError(missing)
     return agent
 
 
@@ -88,7 +96,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Stop RPC on this worker.
 
     graceful: wait until every call this worker made has completed, then until every worker
-    has reached shutdown (so nobody tears down while others still call it); then close. With
+    has reached shutdown (so nobody tears down while others still call it); then delete this
+    worker's user RRefs (as torch's shutdown) and wait until every worker has; then close. With
     ``timeout`` 0 (torch's default) those waits have no time limit, but a lost peer ends them
     with a RuntimeError at once; a positive ``timeout`` (seconds) bounds them. Either way the
     worker is closed, and the error says what was still outstanding.
@@ -106,6 +115,16 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             # Outstanding calls end by themselves: answered, timed out, or failed by peer loss.
             if not agent.wait_outstanding(limit):
                 raise RpcError(f"shutdown: {agent.outstanding()} call(s) of {agent.info} still outstanding after {limit} s")
+            agent.shutdown_barrier(limit)  # every worker's own work is done (torch's _wait_all_workers)
+            # As torch, then: user RRefs are deleted (their owners told), and using one
+            # afterwards says so; a second barrier keeps everyone open until every delete is
+            # answered. (Looked up at call time: torch's tests patch it.)
+            _delete_all_user_and_unforked_owner_rrefs()
+            leaked = agent.rrefs.live_users()
+            if leaked and not _ignore_rref_leak:
+                error = RpcError(f"Leaking RRef: {leaked} user RRef(s) of {agent.info} were not deleted at shutdown")
+            if not agent.wait_outstanding(limit):
+                raise RpcError(f"shutdown: RRef deletions of {agent.info} still outstanding after {limit} s")
             agent.shutdown_barrier(limit)
         except RuntimeError as exc:  # timed out, or a peer was lost: say so, close anyway
             error = RpcError(f"shutdown of {agent.info} was not graceful: {exc}")
@@ -123,14 +142,63 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         raise error
 
 
+# torch's switch: whether a graceful shutdown that finds user RRefs not deleted (only where
+# something kept _delete_all_user_and_unforked_owner_rrefs from running) says "Leaking RRef".
+_ignore_rref_leak = True
+
+
+def _delete_all_user_and_unforked_owner_rrefs(timeout: timedelta = timedelta(minutes=5)) -> None:
+    """torch's private helper, run by a graceful shutdown: delete every user RRef of this
+    worker now (its owner is told) and wait until the deletes went out."""
+    context = _current().rrefs
+    context.delete_all_users()
+    if not context.flush_releases(timeout.total_seconds()):
+        raise RpcError(f"deleting the user RRefs of {_current().info} took more than {timeout}")
+
+
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     agent = _current()
     return agent.info if worker_name is None else agent.worker_info(worker_name)
 
 
 def rpc_async(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
-    """Call ``func(*args, **kwargs)`` on worker ``to``; returns a ``torch.futures.Future``."""
-    return _current().call(to, func, args, kwargs, timeout)
+    """Call ``func(*args, **kwargs)`` on worker ``to``; returns a ``torch.futures.Future``. A
+    call that cannot be sent because of its peer (gone, or a fault injected) returns a future
+    that fails with that error, as torch's do."""
+    try:
+        future = _current().call(to, func, args, kwargs, timeout)
+    except PeerError as exc:
+        future = Future()
+        future.set_exception(exc)
+    collecting = getattr(_thread_local_var, "future_list", None)
+    if collecting is not None:  # inside _wait_all()
+        collecting.append(future)
+    return future
+
+
+# torch's: inside ``with _wait_all():`` this thread's rpc_async futures are collected in
+# ``_thread_local_var.future_list`` and waited for at the end (torch.futures.wait_all).
+_thread_local_var = threading.local()
+
+
+@contextlib.contextmanager
+def _wait_all() -> Iterator[None]:
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            torch.futures.wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
+
+
+@contextlib.contextmanager
+def _use_rpc_pickler(rpc_pickler: Any) -> Iterator[None]:
+    """torch's hook to replace its internal pickler; zmqautograd serialises with its own codec
+    (rpc/serialization.py), which no pickler object replaces."""
+    raise NotImplementedError("zmqautograd has no replaceable RPC pickler (torch's _use_rpc_pickler)")
+    yield
 
 
 def rpc_sync(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
@@ -217,8 +285,12 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
     _current().default_timeout = float(rpc_timeout)
 
 
-def _get_rpc_timeout() -> float:
+def get_rpc_timeout() -> float:
+    """The default timeout of this worker's calls, in seconds (torch's ``rpc.get_rpc_timeout``)."""
     return _current().default_timeout
+
+
+_get_rpc_timeout = get_rpc_timeout
 
 
 def _is_initialized() -> bool:

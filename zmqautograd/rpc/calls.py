@@ -30,7 +30,7 @@ from .errors import RpcError, RpcTimeoutError, SerializationError
 from .futures import Future
 from .hooks import OutgoingCall
 from .message_types import RETRYABLE_TYPES
-from .options import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT
+from .constants import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT
 from .serialization import (
     encode_function,
 )

@@ -22,11 +22,12 @@ def caller() -> int | None:
 
 
 def agent() -> Agent:
-    """The current agent; RpcNotInitializedError when there is none (see ``rpc.api._current``)."""
+    """The current agent; RpcNotInitializedError when there is none, in the words torch's
+    C++ layers use (see ``rpc.api._current``)."""
     global _api
     if _api is None:
         from . import api
 
         _api = api
-    current: Agent = _api._current()
+    current: Agent = _api._current(_api.AGENT_NOT_SET)
     return current

@@ -10,11 +10,11 @@ from zmqautograd.transport.lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN
 from zmqautograd.transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING
 from zmqautograd.transport.shm import DEFAULT_SPIN
 
+from .constants import DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT
 from .devices import to_device, to_device_map
 
-DEFAULT_RPC_TIMEOUT_SEC = 60.0
-DEFAULT_INIT_METHOD = "env://"
-UNSET_RPC_TIMEOUT = -1.0  # "use the agent's default", as in torch
+__all__ = ["DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT", "DEFAULT_INIT_METHOD", "BackendType",
+           "RpcBackendOptions", "ZmqRpcBackendOptions", "TensorPipeRpcBackendOptions"]
 
 
 class BackendType(enum.Enum):
@@ -25,8 +25,16 @@ class BackendType(enum.Enum):
     TENSORPIPE = "ZMQ"  # an alias of ZMQ
 
 
+class RpcBackendOptions:
+    """torch's ``rpc.RpcBackendOptions``: the base class of every backend's options (here
+    only ``ZmqRpcBackendOptions``); ``init_rpc`` takes an instance of it."""
+
+    rpc_timeout: float
+    init_method: str
+
+
 @dataclass
-class ZmqRpcBackendOptions:
+class ZmqRpcBackendOptions(RpcBackendOptions):
     """Options of the ZeroMQ RPC backend.
 
     Args:
@@ -101,7 +109,7 @@ class ZmqRpcBackendOptions:
     """
 
     init_method: str = DEFAULT_INIT_METHOD
-    num_worker_threads: int = 16
+    num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC
     device_maps: dict[str, dict[Any, Any]] | None = None
     devices: list[Any] | None = None

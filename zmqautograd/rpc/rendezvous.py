@@ -93,7 +93,7 @@ class Rendezvous:
         for m in members:
             if m["name"] in names:
                 raise RendezvousError(
-                    f"duplicate worker name {m['name']!r} (ranks {names[m['name']]} and {m['rank']})"
+                    f"worker name {m['name']!r} is not unique: ranks {names[m['name']]} and {m['rank']} both have it"
                 )
             names[m["name"]] = m["rank"]
         return [Member(m["name"], m["rank"], m["address"], m.get("devices") or {}, m.get("credential", ""),

@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 import torch
 
 from zmqautograd.transport import MessageType
 
 from . import current
-from .errors import RpcError
+from .errors import RpcError, SerializationError
 from .futures import Future, settle_from
 from .rref_owner import (
     _backward_on_owner,
@@ -59,14 +59,19 @@ log = logging.getLogger(__name__)
 RRefId = tuple  # (worker id that created it, counter)
 
 
-class RRef:
-    """A reference to a value on a (possibly) remote worker.
+_T = TypeVar("_T")
+
+
+class RRef(Generic[_T]):
+    """A reference to a value on a (possibly) remote worker (``RRef[T]``: to a value of type
+    ``T``, as torch's is generic).
 
     ``RRef(value)`` makes a local one, owned here. ``remote()`` returns them for values on other
     workers.
     """
 
     _unsent = False  # its remote() never reached the owner (rpc.api.remote): nothing to delete there
+    _deleted = False  # a user RRef deleted by shutdown (RRefContext.delete_all_users)
     rref_id: RRefId
     owner_id: int
     fork_id: RRefId | None  # this user's own id; None on the owner
@@ -158,7 +163,7 @@ class RRef:
             return self.local_value()
         self._check_created()
         agent = self._context.agent
-        if agent.closed:  # shutdown() deleted this worker's user RRefs: torch's message
+        if self._deleted or agent.closed:  # shutdown() deleted this worker's user RRefs: torch's message
             raise RpcError(f"Cannot call to_here() on it after deletion. ({self}: RPC was shut down on {agent.info})")
         value = agent.call_sync(self.owner_id, _fetch, (list(self.rref_id),), None, timeout,
                                 message_type=MessageType.PYTHON_RREF_FETCH_CALL)
@@ -250,7 +255,7 @@ class RRef:
         try:
             if self.is_owner():
                 context.release_later(("owner", self.rref_id))
-            elif not self._unsent:  # else its remote() never went out
+            elif not self._unsent and not self._deleted:  # else its remote() never went out, or shutdown deleted it
                 context.release_later(("user", self.owner_id, self.rref_id, self.fork_id))
         except Exception:  # interpreter shutdown
             pass
@@ -269,6 +274,23 @@ class _Proxy:
 
     def __getattr__(self, name: str) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
+            from . import api
+
+            if self._invoke is api.remote:
+                # As torch's: the value's type is looked at first, so that a method it does not
+                # have raises here rather than in the RRef made (rpc_sync and rpc_async raise
+                # the owner's AttributeError when they complete).
+                try:
+                    value_type = self._rref._get_type(timeout=self._timeout)
+                except SerializationError:
+                    pass  # a type this worker cannot import: the owner looks
+                else:
+                    _check_method(value_type, name)
             return self._invoke(self._rref.owner(), _call_method, args=(name, self._rref, args, kwargs), timeout=self._timeout)
 
         return call
+
+
+def _check_method(value_type: type, name: str) -> None:
+    if not issubclass(value_type, (torch.jit.ScriptModule, torch._C.ScriptModule)):  # torch does not look there
+        getattr(value_type, name)  # AttributeError: type object 'X' has no attribute 'name'

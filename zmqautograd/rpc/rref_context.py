@@ -51,7 +51,12 @@ class RRefContext:
         # program that never sends an RRef never looks.
         self._made = threading.local()
         self.forks_made = 0
-        self._counter = itertools.count(1)
+        self._counter = itertools.count(0)  # local ids from 0, as torch's
+        # Registrations with their owners of the user RRefs that decoding on this thread made
+        # (``take_registering``): a call that carries them runs once the owners confirmed
+        # them, as torch's. ``forks_registered`` is 0 until the first (as ``forks_made``).
+        self._registering = threading.local()
+        self.forks_registered = 0
         self._users: weakref.WeakSet = weakref.WeakSet()  # user RRefs here (debug_info counts the unconfirmed)
         self._control_in_flight = 0  # fork requests, child accepts and deletes not answered yet
         # RRefs dropped by ``__del__``, released on a thread of their own. ``__del__`` runs
@@ -301,6 +306,30 @@ class RRefContext:
         with self._lock:
             self._control_in_flight -= 1
 
+    def take_registering(self) -> list[torch.futures.Future]:
+        """The registrations that decoding on this thread started since the last take."""
+        registering = getattr(self._registering, "futures", None)
+        if not registering:
+            return []
+        self._registering.futures = []
+        return registering
+
+    def delete_all_users(self) -> list["RRef"]:
+        """torch's ``_delete_all_user_and_unforked_owner_rrefs``: every user RRef of this worker
+        tells its owner now that it is gone (not when Python frees it); using one afterwards
+        raises. Returns the RRefs deleted (the releases are queued: ``flush_releases``)."""
+        deleted = []
+        for rref in list(self._users):
+            if not rref._deleted and not rref._unsent:
+                rref._deleted = True
+                self.release_later(("user", rref.owner_id, rref.rref_id, rref.fork_id))
+                deleted.append(rref)
+        return deleted
+
+    def live_users(self) -> int:
+        """User RRefs here that were not deleted (at shutdown: leaked, in torch's words)."""
+        return sum(1 for rref in list(self._users) if not rref._deleted and not rref._unsent)
+
     def debug_info(self) -> dict[str, str]:
         """torch's ``_rref_context_get_debug_info()``: owned values that other workers
         reference (a local ``RRef(value)`` counts once it has been shared), owned values
@@ -322,6 +351,8 @@ class RRefContext:
 
     def encode(self, rref: "RRef") -> list:
         """Fork ``rref`` for whoever receives this message."""
+        if rref._deleted:
+            raise RpcError(f"Cannot call fork an UserRRef after deletion. ({rref})")  # torch's words
         rref._check_created()
         fork_id = self.new_id()
         made: tuple[RRefId | None, RRefId]
@@ -357,6 +388,11 @@ class RRefContext:
             return rref
         registered = self._control(owner_id, _fork_request, (list(rref_id), list(fork_id)),
                                    MessageType.RREF_FORK_REQUEST)
+        self.forks_registered += 1
+        registering = getattr(self._registering, "futures", None)
+        if registering is None:
+            registering = self._registering.futures = []
+        registering.append(registered)
 
         def confirmed(done: Any) -> None:
             rref._confirm_if_ok(done)

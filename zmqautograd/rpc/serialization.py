@@ -373,7 +373,12 @@ def resolve_function(function: Any, policy: CallablePolicy = UNRESTRICTED) -> Ca
     anything is imported) or it cannot be imported here."""
     if isinstance(function, FunctionRef):
         policy.check(function.module, function.qualname)
-        return _import_named(function.module, function.qualname, "function ")
+        try:
+            return _import_named(function.module, function.qualname, "function ")
+        except SerializationError as exc:
+            # torch's words, for what the cause usually is.
+            raise SerializationError(f"{exc}. RPC pickler does not serialize function code: ensure that UDFs "
+                                     "are defined on both caller and callee modules") from exc.__cause__
     return function
 
 

@@ -4,6 +4,7 @@ when its future completes), with the call hooks around them (hooks.py)."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,8 +21,10 @@ from . import current
 from .errors import SerializationError, as_operator_error, user_error
 from .functions import check_async_result, is_async_function
 from .message_types import REQUEST_TYPES, RESPONSE_TYPES
+from .futures import traceback_text
 from .serialization import (
     encode_exception,
+    is_protocol_function,
     resolve_function,
 )
 
@@ -35,14 +38,36 @@ class Serving:
     """The agent's serving of calls (part of ``Agent``)."""
 
     def _on_message(self: Agent, message: Message) -> None:
-        """On a pool thread (the endpoint's executor)."""
+        """On a pool thread (the endpoint's executor), which decoded the message."""
         kind = message.type
+        registering = self.rrefs.take_registering() if self.rrefs.forks_registered else None
         if kind in REQUEST_TYPES:
+            if registering and not all(future.done() for future in registering):
+                self._serve_once_registered(message, registering)
+                return
             self._serve(message)
         elif kind in RESPONSE_TYPES:
             self._complete(message)
         else:
             log.warning("%s: unexpected %s from %s", self.info, kind.name, message.sender)
+
+    def _serve_once_registered(self: Agent, message: Message, registering: list[torch.futures.Future]) -> None:
+        """A call whose arguments hold user RRefs still being registered with their owners
+        runs once they are, on a pool thread (torch's callee waits for its pending user RRefs
+        too: inside, ``confirmed_by_owner()`` is True). A registration that fails does not
+        stop the call; using that RRef raises why."""
+        remaining = [len(registering)]
+        lock = threading.Lock()
+
+        def registered(_: torch.futures.Future) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self.pool.submit(self._serve, message)
+
+        for future in registering:
+            future.add_done_callback(registered)
 
     def start_serving(self: Agent) -> None:
         self._serving.set()
@@ -89,6 +114,9 @@ class Serving:
             exc = user_error(exc)
             if function is not None:
                 exc = as_operator_error(function, exc)
+                if not is_protocol_function(function):
+                    # As torch: the error is logged where it happened as well as returned.
+                    log.warning("On %s:\n%r\n%s", self.info, exc, traceback_text(exc))
             self._reply(message, None, exc, served)
             return served
         if is_async_function(function):  # and done already (a backward pass that ran to its end here)

@@ -1,0 +1,1 @@
+"""The folder ``python -m zmqautograd.run`` puts first on ``PYTHONPATH`` (its ``sitecustomize``)."""
