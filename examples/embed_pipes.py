@@ -66,6 +66,7 @@ class PipeRpc:
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: dict[int, tuple[torch.futures.Future, str]] = {}
+        self._closing = False  # set by close(): the end of the conversation is expected
         self._served = ThreadPoolExecutor(4, thread_name_prefix=f"pipe{rank}")
         self.port = PipePort(self)
         attach(self.port)  # before the first message can arrive
@@ -98,6 +99,8 @@ class PipeRpc:
             try:
                 message = pickle.loads(self._conn.recv_bytes())
             except (EOFError, OSError) as exc:  # the peer is gone: fail what waits for it
+                if self._closing:
+                    return  # our close(): the peer closed its end after our ("close",)
                 self.port.peer_lost(self.peer, exc)
                 for future, _ in self._pending.values():
                     future.set_exception(ConnectionError(f"worker {self.peer} is gone: {exc!r}"))
@@ -141,9 +144,12 @@ class PipeRpc:
             self._send(("answer", call_id, _wire(result), None, None))
 
     def close(self) -> None:
-        """Tell the peer we are done, and stop."""
+        """Tell the peer we are done, and stop: the connection is closed once our reader has
+        seen the peer close its end (closing it under the reader would break its read)."""
+        self._closing = True
         self._send(("close",))
         self._served.shutdown(wait=True)
+        self._reader.join(30)
         self._conn.close()
 
 
