@@ -13,6 +13,4 @@ __version__ = "0.1.0"
 from . import autograd as _autograd  # noqa: E402,F401  (installs distributed autograd's call hooks)
 from .torch_alias import install_as_torch_rpc  # noqa: E402
 
-installed_as_torch_rpc = False  # set by install_as_torch_rpc()
-
-__all__ = ["install_as_torch_rpc", "installed_as_torch_rpc"]
+__all__ = ["install_as_torch_rpc"]

@@ -11,6 +11,9 @@ call keeps them; call it first thing. torch's other RPC internals (``rpc.interna
 ``python -m zmqautograd.run`` (``run.py``) does this in every process of a job without touching
 the program: it sets ``ZMQAUTOGRAD_AS_TORCH_RPC=1`` and puts a ``sitecustomize`` on the path
 that installs the alias right after ``torch`` is first imported (``install_on_torch_import``).
+This module imports nothing but the standard library until it installs: the
+``sitecustomize`` loads it without the package (whose import would import torch), so that a
+process of the job that never imports torch does not pay for it.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ def install_as_torch_rpc() -> None:
     import torch.distributed.optim
     import torch.distributed.optim.optimizer
 
-    import zmqautograd
     from zmqautograd.optim import DistributedOptimizer
 
     for torch_name, ours in _MODULES.items():
@@ -57,7 +59,6 @@ def install_as_torch_rpc() -> None:
         setattr(sys.modules[parent], child, module)
     torch.distributed.optim.DistributedOptimizer = DistributedOptimizer  # type: ignore[misc,assignment]
     torch.distributed.optim.optimizer.DistributedOptimizer = DistributedOptimizer  # type: ignore[misc,assignment]
-    zmqautograd.installed_as_torch_rpc = True
     _installed = True
 
 

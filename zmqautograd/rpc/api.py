@@ -150,10 +150,10 @@ _ignore_rref_leak = True
 def _delete_all_user_and_unforked_owner_rrefs(timeout: timedelta = timedelta(minutes=5)) -> None:
     """torch's private helper, run by a graceful shutdown: delete every user RRef of this
     worker now (its owner is told) and wait until the deletes went out."""
-    context = _current().rrefs
-    context.delete_all_users()
-    if not context.flush_releases(timeout.total_seconds()):
-        raise RpcError(f"deleting the user RRefs of {_current().info} took more than {timeout}")
+    agent = _current()
+    agent.rrefs.delete_all_users()
+    if not agent.rrefs.flush_releases(timeout.total_seconds()):
+        raise RpcError(f"deleting the user RRefs of {agent.info} took more than {timeout}")
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

@@ -314,17 +314,14 @@ class RRefContext:
         self._registering.futures = []
         return registering
 
-    def delete_all_users(self) -> list["RRef"]:
+    def delete_all_users(self) -> None:
         """torch's ``_delete_all_user_and_unforked_owner_rrefs``: every user RRef of this worker
         tells its owner now that it is gone (not when Python frees it); using one afterwards
-        raises. Returns the RRefs deleted (the releases are queued: ``flush_releases``)."""
-        deleted = []
+        raises. The deletes are queued (``flush_releases``)."""
         for rref in list(self._users):
             if not rref._deleted and not rref._unsent:
                 rref._deleted = True
                 self.release_later(("user", rref.owner_id, rref.rref_id, rref.fork_id))
-                deleted.append(rref)
-        return deleted
 
     def live_users(self) -> int:
         """User RRefs here that were not deleted (at shutdown: leaked, in torch's words)."""

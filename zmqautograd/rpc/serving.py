@@ -4,7 +4,6 @@ when its future completes), with the call hooks around them (hooks.py)."""
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,18 +55,7 @@ class Serving:
         runs once they are, on a pool thread (torch's callee waits for its pending user RRefs
         too: inside, ``confirmed_by_owner()`` is True). A registration that fails does not
         stop the call; using that RRef raises why."""
-        remaining = [len(registering)]
-        lock = threading.Lock()
-
-        def registered(_: torch.futures.Future) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                self.pool.submit(self._serve, message)
-
-        for future in registering:
-            future.add_done_callback(registered)
+        torch.futures.collect_all(registering).add_done_callback(lambda _: self.pool.submit(self._serve, message))
 
     def start_serving(self: Agent) -> None:
         self._serving.set()
