@@ -297,3 +297,27 @@ def call_each(names):
     import zmqautograd.rpc as rpc
 
     return [rpc.rpc_sync(name, whoami) for name in names]
+
+
+def ops_in_a_block(x):
+    """A few operators inside a record_function block (the profiling tests)."""
+    with torch.autograd.profiler.record_function("##block##"):
+        return torch.relu(torch.mul(x, 2) + 1)
+
+
+@rpc.functions.async_execution
+def async_add_on(target, x, y):
+    """Answered when an add on ``target`` is (the profiling tests: a nested profiled call)."""
+    return rpc.rpc_async(target, torch.add, args=(x, y))
+
+
+def profiled_events_of(profile_rref):
+    """The names of the top-level events of each call a server-wide profile saw."""
+    names = []
+    for events in profile_rref.local_value().process_global_function_events:
+        end = 0.0
+        for event in events:
+            if event.time_range.start > end:
+                names.append(event.name)
+                end = event.time_range.end
+    return sorted(names)

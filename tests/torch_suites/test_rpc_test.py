@@ -30,42 +30,10 @@ NOT_APPLICABLE: dict[str, str] = {
     "test_use_rref_after_shutdown": "forks an RRef through torch's private rpc.internal.serialize",
 }
 
-_PROFILER = "no RPC profiling events yet (rpc_async#..., remote events folded in)"
 _WAIT_ALL = "errors of RPC futures are results under an unwrap function, so wait_all waits for every future"
 
 # Differences from torch not fixed yet (issue 46): expected to fail until they are.
 KNOWN_GAPS: dict[str, str] = {
-    "test_profiler_export_trace": _PROFILER,
-    "test_profiler_remote_events_profiled": _PROFILER,
-    "test_profiler_remote_events_profiled_single_threaded": _PROFILER,
-    "test_profiler_rpc_memory": _PROFILER,
-    "test_profiler_rpc_record_shapes": _PROFILER,
-    "test_profiler_with_async_rpc_builtin": _PROFILER,
-    "test_profiler_with_async_rpc_builtin_single_threaded": _PROFILER,
-    "test_profiler_with_async_rpc_udf": _PROFILER,
-    "test_profiler_with_async_rpc_udf_single_threaded": _PROFILER,
-    "test_profiler_with_autograd_context": _PROFILER,
-    "test_profiler_with_autograd_context_single_threaded": _PROFILER,
-    "test_profiler_with_remote_builtin": _PROFILER,
-    "test_profiler_with_remote_builtin_single_threaded": _PROFILER,
-    "test_profiler_with_remote_udf": _PROFILER,
-    "test_profiler_with_remote_udf_single_threaded": _PROFILER,
-    "test_profiler_with_script_async_rpc": _PROFILER,
-    "test_profiler_with_script_async_rpc_single_threaded": _PROFILER,
-    "test_profiler_with_script_remote_rpc": _PROFILER,
-    "test_profiler_with_script_remote_rpc_single_threaded": _PROFILER,
-    "test_profiler_with_script_sync_rpc": _PROFILER,
-    "test_profiler_with_script_sync_rpc_single_threaded": _PROFILER,
-    "test_profiler_with_sync_rpc_builtin": _PROFILER,
-    "test_profiler_with_sync_rpc_builtin_single_threaded": _PROFILER,
-    "test_profiler_with_sync_rpc_udf": _PROFILER,
-    "test_profiler_with_sync_rpc_udf_single_threaded": _PROFILER,
-    "test_rpc_profiling_async_function": _PROFILER,
-    "test_rpc_profiling_async_function_single_threaded": _PROFILER,
-    "test_rpc_profiling_remote_record_function": _PROFILER,
-    "test_server_process_global_profiler": _PROFILER,
-    "test_rref_type_blocking": _PROFILER,
-    "test_rref_type_non_blocking": _PROFILER,
     "test_local_shutdown": "init_rpc fails when a peer that joined shuts down (graceful=False) before it finishes",
     "test_non_cont_tensors": "a non-contiguous view of a small storage arrives contiguous (torch keeps its strides)",
     "test_wait_all_exit_early_builtin": _WAIT_ALL,

@@ -39,6 +39,7 @@ from .options import (
     TensorPipeRpcBackendOptions,
     ZmqRpcBackendOptions,
 )
+from .profiling import _server_process_global_profile
 from .rref import RRef
 
 __all__ = [
@@ -47,5 +48,5 @@ __all__ = [
     "_get_debug_info", "_rref_context_get_debug_info",
     "OperatorArgumentsError", "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
     "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",
-    "BackendType", "TensorPipeRpcBackendOptions",
+    "BackendType", "TensorPipeRpcBackendOptions", "_server_process_global_profile",
 ]

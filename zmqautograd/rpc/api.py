@@ -12,10 +12,12 @@ import torch
 
 from zmqautograd.transport import MessageType, PeerError, TransportError
 
+from . import profiling
 from .agent import Agent, WorkerInfo
 from .errors import RpcError, RpcNotInitializedError
 from .futures import Future
 from .constants import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT
+from .profiling import profiler_enabled, set_profiler_node_id
 from .options import BackendType, ZmqRpcBackendOptions
 from .rendezvous import Rendezvous
 from .rref import RRef
@@ -74,6 +76,7 @@ def init_rpc(
         timeout = options.rpc_timeout if options.rpc_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
         rendezvous = Rendezvous(options.init_method, rank, world_size, timeout)
         _agent = Agent(name, rendezvous, options)
+        set_profiler_node_id(_agent.rank)  # profiler events made here name this worker (profiling.py)
     _agent.start_serving()
 
 
@@ -165,8 +168,13 @@ def rpc_async(to: Any, func: Callable, args: Any = None, kwargs: Any = None, tim
     """Call ``func(*args, **kwargs)`` on worker ``to``; returns a ``torch.futures.Future``. A
     call that cannot be sent because of its peer (gone, or a fault injected) returns a future
     that fails with that error, as torch's do."""
+    agent = _current()
     try:
-        future = _current().call(to, func, args, kwargs, timeout)
+        session = profiling.session() if profiler_enabled() else None
+        if session is None:
+            future = agent.call(to, func, args, kwargs, timeout)
+        else:
+            future = _profiled_async(agent, session, to, func, args, kwargs, timeout)
     except PeerError as exc:
         future = Future()
         future.set_exception(exc)
@@ -201,9 +209,29 @@ def _use_rpc_pickler(rpc_pickler: Any) -> Iterator[None]:
     yield
 
 
+def _profiled_async(agent: Agent, session: Any, to: Any, func: Callable, args: Any, kwargs: Any,
+                    timeout: float) -> torch.futures.Future:
+    """rpc_async under torch's legacy profiler (profiling.py)."""
+    info = agent.worker_info(to)
+    call = profiling.ProfiledCall(session, "async", func, agent.info, info)
+    sent = agent.call(info, profiling._run_profiled, call.arguments(func, args, kwargs), None, timeout)
+    future = Future()
+    sent.add_done_callback(lambda done: call.settle(future, done))
+    return future
+
+
 def rpc_sync(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Call ``func(*args, **kwargs)`` on worker ``to`` and wait for the result."""
-    return _current().call_sync(to, func, args, kwargs, timeout)
+    agent = _current()
+    session = profiling.session() if profiler_enabled() else None
+    if session is None:
+        return agent.call_sync(to, func, args, kwargs, timeout)
+    info = agent.worker_info(to)
+    call = profiling.ProfiledCall(session, "sync", func, agent.info, info)
+    try:
+        return call.answered(agent.call_sync(info, profiling._run_profiled, call.arguments(func, args, kwargs), None, timeout))
+    finally:
+        call.end()
 
 
 def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
@@ -216,6 +244,17 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
     type_name = getattr(func, "__qualname__", type(func).__qualname__)
     fork_id = None if info.id == agent.rank else context.new_id()  # (None: owned here)
     call_args = (list(rref_id), fork_id and list(fork_id), encode_function(func), tuple(args or ()), dict(kwargs or {}))
+    session = profiling.session() if profiler_enabled() else None
+    profiled = None if session is None else profiling.ProfiledCall(session, "remote", func, agent.info, info)
+
+    def send() -> torch.futures.Future:
+        if profiled is None:
+            return agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+        sent = agent.call(info, profiling._run_profiled, profiled.arguments(_run_remote, call_args, None), None,
+                          timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+        ended = Future()  # completes once the event ended, as torch's profiling future
+        sent.add_done_callback(lambda done: profiled.settle(ended, done))
+        return ended
     # As torch's, remote() returns an RRef even when the call fails to go out: the failure
     # is the RRef's creation error, raised when it is used (to_here, passing it on).
     if fork_id is None:  # owned here: the local handle exists before the call can run
@@ -235,22 +274,26 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
                 rref._creation.set_result(True)
 
         try:
-            sent = agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+            sent = send()
         except TransportError as exc:
             failed: torch.futures.Future = Future()
             failed.set_exception(exc)
             settled(failed)
             return rref
         sent.add_done_callback(settled)
+        if profiled is not None:
+            rref._profiling_future = sent
         return rref
     rref = RRef._user(context, rref_id, info.id, fork_id, type_name)
     try:
-        registered = agent.call(info, _run_remote, call_args, None, timeout, message_type=MessageType.PYTHON_REMOTE_CALL)
+        registered = send()
     except TransportError as exc:
         rref._creation_failed(exc)
         rref._unsent = True  # never reached the owner: nothing to delete there
         return rref
     registered.add_done_callback(rref._confirm_if_ok)
+    if profiled is not None:
+        rref._profiling_future = registered
     return rref
 
 

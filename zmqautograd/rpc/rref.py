@@ -48,7 +48,7 @@ from .rref_owner import (
     _call_method,
     _failed,
     _fetch,
-    _type_on_owner,
+    _rref_typeof_on_owner,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class RRef(Generic[_T]):
 
     _unsent = False  # its remote() never reached the owner (rpc.api.remote): nothing to delete there
     _deleted = False  # a user RRef deleted by shutdown (RRefContext.delete_all_users)
+    _profiling_future: torch.futures.Future | None = None  # remote() under the profiler (profiling.py)
     rref_id: RRefId
     owner_id: int
     fork_id: RRefId | None  # this user's own id; None on the owner
@@ -149,6 +150,14 @@ class RRef(Generic[_T]):
         """Completes when the owner has confirmed this RRef (with an error if remote() failed)."""
         return self._creation
 
+    def _get_profiling_future(self) -> torch.futures.Future:
+        """Completes when the profiler event of the remote() that made this RRef has ended
+        (where it was made under torch's legacy profiler; else as ``_get_future``)."""
+        return self._profiling_future if self._profiling_future is not None else self._creation
+
+    def _set_profiling_future(self, future: torch.futures.Future) -> None:
+        self._profiling_future = future
+
     def local_value(self) -> Any:
         if self.fork_id is not None:  # a user
             raise RuntimeError(  # torch's message
@@ -212,7 +221,7 @@ class RRef(Generic[_T]):
                 from .serialization import resolve_function
 
                 self._check_created()
-                asked = api.rpc_async(self.owner(), _type_on_owner, args=(self,), timeout=timeout)
+                asked = api.rpc_async(self.owner(), _rref_typeof_on_owner, args=(self,), timeout=timeout)
                 future = Future()  # not asked.then(): it would wrap the owner's error
                 asked.add_done_callback(lambda done: settle_from(future, done, resolve_function))
             self._type_future = future

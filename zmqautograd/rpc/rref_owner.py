@@ -23,9 +23,9 @@ def _context() -> RRefContext:
 
 
 @protocol_function
-def _type_on_owner(rref: RRef) -> Any:
-    """On the owner, for ``RRef._get_type``: the value's type, by reference (torch's
-    ``_rref_typeof_on_owner``); waits for the value as ``local_value`` does."""
+def _rref_typeof_on_owner(rref: RRef) -> Any:
+    """On the owner, for ``RRef._get_type``: the value's type, by reference; waits for the
+    value as ``local_value`` does. torch's name: its profiler shows the call by it."""
     from .serialization import encode_function
 
     return encode_function(type(rref.local_value()))

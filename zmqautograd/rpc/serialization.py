@@ -55,9 +55,10 @@ _PROTOCOL_FUNCTIONS = frozenset({
     ("zmqautograd.optim.optimizer", "_local_optimizer_step"),
     ("zmqautograd.optim.optimizer", "_new_local_optimizer"),
     ("zmqautograd.rpc.agent", "_arrive_at_shutdown"),
+    ("zmqautograd.rpc.profiling", "_run_profiled"),
     *(("zmqautograd.rpc.rref_owner", name) for name in (
         "_backward_on_owner", "_call_method", "_child_accept", "_delete_fork", "_fetch", "_fork_request",
-        "_owned_count", "_run_remote", "_type_on_owner")),
+        "_owned_count", "_run_remote", "_rref_typeof_on_owner")),
 })
 
 

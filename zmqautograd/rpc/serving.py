@@ -21,6 +21,7 @@ from .errors import SerializationError, as_operator_error, user_error
 from .functions import check_async_result, is_async_function
 from .message_types import REQUEST_TYPES, RESPONSE_TYPES
 from .futures import traceback_text
+from .profiling import run_server_profiled, server_profiles
 from .serialization import (
     encode_exception,
     is_protocol_function,
@@ -88,7 +89,10 @@ class Serving:
             sender = str(message.sender)
             calls.rank = int(sender) if sender.isdigit() else None
             try:
-                result = function(*payload["a"], **payload["k"])
+                if server_profiles:  # a _server_process_global_profile is open (profiling.py)
+                    result = run_server_profiled(function, payload["a"], payload["k"])
+                else:
+                    result = function(*payload["a"], **payload["k"])
             finally:
                 hooks.call_ends(token)
                 calls.rank = caller
