@@ -10,8 +10,11 @@ Dense descriptor::
 ``strides`` is set when the tensor is a dense permutation of its memory (a transpose, say):
 those bytes go out as they lie, without a copy, and the receiver rebuilds the same strides.
 It is also set for an expanded tensor (dims of stride 0): the memory it repeats goes, once,
-and the receiver rebuilds the same expanded view. Any other non-contiguous view is
-compacted first, so only the bytes the view covers travel, never the rest of its storage.
+and the receiver rebuilds the same expanded view. Any other non-contiguous view (one with
+gaps, as ``narrow`` makes) keeps its strides as torch's RPC does: the memory from its first
+element to its last travels, never the rest of its storage; except that, as torch's, a view
+of a storage of 8 KiB or more that covers less than half of it is compacted first, so only
+the bytes it covers travel, and arrives contiguous.
 
 Sparse COO descriptor::
 
@@ -127,6 +130,18 @@ def _unexpanded(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return repeated, [0 if step == 0 else kept for step, kept in zip(stride, repeated.stride())]
 
 
+# torch's rule (rpc/utils.cpp) for a view that is not dense: it is copied compact (arriving
+# contiguous) only when its storage is big and mostly not the view's; else its layout travels.
+_MIN_RECOPY_BYTES = 8 * 1024
+_MIN_RECOPY_MULTIPLE = 2
+
+
+def _keeps_layout(view: torch.Tensor) -> bool:
+    """Whether a view with gaps travels with its strides (see above), as torch's would."""
+    storage = view.untyped_storage().nbytes()
+    return storage < _MIN_RECOPY_BYTES or storage < view.nbytes * _MIN_RECOPY_MULTIPLE
+
+
 def _memory(tensor: torch.Tensor) -> torch.Tensor:
     """The memory a dense tensor (contiguous, or a permutation of its memory: ``_dense_span``)
     lies in, as a flat tensor in address order: the bytes that go, whatever the device."""
@@ -211,6 +226,11 @@ class TensorEncoder:
                 data, strides = _unexpanded(data)
             elif _dense_span(data) is not None:
                 strides = list(data.stride())  # sent as it lies in memory, no copy on CPU
+            elif _keeps_layout(data):
+                # A view with gaps (a narrow): the memory from its first element to its last
+                # goes as it lies, and the receiver rebuilds the same strides over it.
+                strides = list(data.stride())
+                data = data.as_strided((_strided_span(shape, strides),), (1,))
             else:
                 # Compacts (only the covered bytes are kept); CUDA tensors are compacted on
                 # their device, so the staging copy is one flat device-to-host transfer.

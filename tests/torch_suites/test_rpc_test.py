@@ -35,7 +35,6 @@ _WAIT_ALL = "errors of RPC futures are results under an unwrap function, so wait
 # Differences from torch not fixed yet (issue 46): expected to fail until they are.
 KNOWN_GAPS: dict[str, str] = {
     "test_local_shutdown": "init_rpc fails when a peer that joined shuts down (graceful=False) before it finishes",
-    "test_non_cont_tensors": "a non-contiguous view of a small storage arrives contiguous (torch keeps its strides)",
     "test_wait_all_exit_early_builtin": _WAIT_ALL,
     "test_wait_all_exit_early_python": _WAIT_ALL,
     "test_wait_all_exit_early_script_function": _WAIT_ALL,

@@ -282,7 +282,7 @@ def test_views_send_only_the_bytes_they_cover():
     base = torch.randn(1000, 1000)
     views = {
         "row slice": base[10:12],  # contiguous, offset into a big storage
-        "column slice": base[:, 3:5],  # strided: compacted
+        "column slice": base[:, 3:5],  # strided, mostly gaps of a big storage: compacted
         "transpose": base[:4, :6].t(),  # compacted (not dense over its span)
         "step": base[0, ::7],
     }
@@ -290,6 +290,24 @@ def test_views_send_only_the_bytes_they_cover():
         got, frames = round_trip(view)
         assert torch.equal(got, view), what
         assert memoryview(frames[1]).nbytes == view.numel() * 4, what
+
+
+def test_views_with_gaps_keep_their_strides_as_torchs_unless_mostly_gaps_of_a_big_storage():
+    """torch's rule (rpc/utils.cpp): a view is copied compact only when its storage is 8 KiB
+    or more and at least twice the view; otherwise its layout travels (torch's
+    test_non_cont_tensors), and only the span from its first element to its last goes."""
+    small = torch.rand(5, 5)
+    wide = torch.randn(100, 100)
+    cases = {  # view -> span that travels (elements)
+        "narrow of a small storage": (small.narrow(1, 2, 2), 1 + 4 * 5 + 1),
+        "most of a big storage": (wide[1:, :60], 1 + 98 * 100 + 59),
+    }
+    for what, (view, span) in cases.items():
+        got, frames = round_trip(view)
+        assert torch.equal(got, view) and got.stride() == view.stride() and not got.is_contiguous(), what
+        assert memoryview(frames[1]).nbytes == span * 4, what
+        got[0, 0] = -1.0  # a view of its own memory: nothing of the sender's changes
+        assert view[0, 0] != -1.0
 
 
 def test_expanded_tensors_send_the_memory_they_repeat_once():
