@@ -321,3 +321,8 @@ def profiled_events_of(profile_rref):
                 names.append(event.name)
                 end = event.time_range.end
     return sorted(names)
+
+
+def value_of_serialized_rref(data):
+    """The value of the RRef ``RRef._serialize`` made ``data`` of, fetched from its owner."""
+    return rpc.RRef._deserialize(data).to_here()

@@ -1056,3 +1056,15 @@ def test_ungraceful_shutdown_returns_at_once_and_the_peer_fails_clearly():
     message = got[1][0]
     assert "was not graceful" in message and "w0" in message, got
     assert "RPC is shutting down on WorkerInfo(id=0, name=w0)" in message or "lost peer '0'" in message, got
+
+
+def test_an_rref_serialized_as_data_is_a_fork_wherever_it_is_deserialized(group):
+    """torch's private ``RRef._serialize`` / ``_deserialize``: the data is a fork, counted by
+    the owner until its receiver lets go of it (a plain tuple carries it, not the RRef)."""
+    rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 2))
+    data = rref._serialize()
+    assert type(data) is tuple
+    assert torch.equal(rpc.rpc_sync("worker2", f.value_of_serialized_rref, args=(data,)), torch.full((2,), 3.0))
+    assert torch.equal(rpc.RRef._deserialize(rref._serialize()).to_here(), torch.full((2,), 3.0))
+    owned = rpc.RRef(torch.zeros(1))
+    assert torch.equal(rpc.rpc_sync("worker1", f.value_of_serialized_rref, args=(owned._serialize(),)), torch.zeros(1))

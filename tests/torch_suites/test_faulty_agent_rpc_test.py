@@ -9,12 +9,4 @@ NOT_APPLICABLE: dict[str, str] = {
     "test_verify_backend_options": "checks for torch's backend_registry.BackendType.FAULTY_TENSORPIPE",
 }
 
-_SERIALIZE = "RRef._serialize (the fork torch's pickler makes) is not provided"
-
-# Differences from torch not fixed yet (issue 46): expected to fail until they are.
-KNOWN_GAPS: dict[str, str] = {
-    "test_remote_message_dropped_pickle": _SERIALIZE,
-    "test_remote_message_dropped_pickle_to_self": _SERIALIZE,
-}
-
-globals().update(suites(__name__, [FaultyAgentRpcTest], NOT_APPLICABLE, KNOWN_GAPS, fixture=ZmqFaultyAgentTestFixture))
+globals().update(suites(__name__, [FaultyAgentRpcTest], NOT_APPLICABLE, fixture=ZmqFaultyAgentTestFixture))

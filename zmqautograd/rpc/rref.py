@@ -243,6 +243,18 @@ class RRef(Generic[_T]):
 
         return _Proxy(self, api.remote, timeout)
 
+    def _serialize(self) -> tuple:
+        """torch's private API: this RRef forked, as data that ``RRef._deserialize`` turns into
+        the fork on the worker that receives it (the owner counts the fork from now on, as
+        torch's: data never deserialized keeps the value alive). Raises the creation error
+        of an RRef whose remote() failed, and after its deletion, as forking it in a call does."""
+        return tuple(self._context.encode(self, in_message=False))
+
+    @classmethod
+    def _deserialize(cls, data: tuple) -> "RRef":
+        """The fork ``_serialize`` made, here (the worker that made it may be this one)."""
+        return current.agent().rrefs.decode(list(data))
+
     def __str__(self) -> str:  # torch's format (py_rref.cpp)
         if self.fork_id is None:
             return f"OwnerRRef({_unique_id(self.rref_id)})"

@@ -346,8 +346,9 @@ class RRefContext:
 
     # ------------------------------------------------------------------------- wire format
 
-    def encode(self, rref: "RRef") -> list:
-        """Fork ``rref`` for whoever receives this message."""
+    def encode(self, rref: "RRef", in_message: bool = True) -> list:
+        """Fork ``rref`` for whoever receives this message (``in_message``), or for whichever
+        worker decodes what this returns (``RRef._serialize``)."""
         if rref._deleted:
             raise RpcError(f"Cannot call fork an UserRRef after deletion. ({rref})")  # torch's words
         rref._check_created()
@@ -360,11 +361,12 @@ class RRefContext:
         else:
             self.keep_for_child(fork_id, rref)
             made = (None, fork_id)
-        forks = getattr(self._made, "forks", None)
-        if forks is None:
-            forks = self._made.forks = []
-        forks.append(made)
-        self.forks_made += 1
+        if in_message:
+            forks = getattr(self._made, "forks", None)
+            if forks is None:
+                forks = self._made.forks = []
+            forks.append(made)
+            self.forks_made += 1
         return [list(rref.rref_id), rref.owner_id, list(fork_id), self.agent.rank, rref._type_name]
 
     def decode(self, value: list) -> "RRef":
