@@ -11,6 +11,7 @@ from .errors import (
     InjectedFaultError,
     LocalProtocolError,
     MessageTooLargeError,
+    PeerDepartedError,
     PeerError,
     PeerLostError,
     ProtocolError,
@@ -23,6 +24,6 @@ from .faults import FaultPolicy
 __all__ = [
     "PROTOCOL_VERSION", "FaultPolicy", "Codec", "Envelope", "Extension", "ExtensionNotDecoded", "Message", "MessageType",
     "DeviceMapError", "EndpointClosedError", "InjectedFaultError", "LocalProtocolError", "MessageTooLargeError",
-    "PeerError", "PeerLostError", "ProtocolError", "RemoteProtocolError", "TransportError",
+    "PeerDepartedError", "PeerError", "PeerLostError", "ProtocolError", "RemoteProtocolError", "TransportError",
     "UnknownPeerError",
 ]

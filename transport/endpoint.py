@@ -316,7 +316,7 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
             if record is None:
                 raise UnknownPeerError(peer, f"{self.identity}: unknown peer {peer!r}")
             if record.lost_error is not None:
-                raise PeerLostError(peer, str(record.lost_error))
+                raise type(record.lost_error)(peer, str(record.lost_error))  # (a fresh one: no traceback kept)
             if record.max_bytes is not None and nbytes > record.max_bytes:
                 raise _too_large(peer, nbytes, record.max_bytes)
             if self._outbox:  # older messages wait there: this one goes behind them

@@ -49,6 +49,10 @@ class PeerLostError(PeerError):
     """The peer is gone: its process died, its connection broke, or it missed heartbeats."""
 
 
+class PeerDepartedError(PeerLostError):
+    """The peer said goodbye: it closed its endpoint (it shut down) rather than failing."""
+
+
 class InjectedFaultError(PeerError):
     """A send failed on purpose: fault injection (``transport.faults``) asked for it."""
 

@@ -18,6 +18,7 @@ from .codec import CONTROL_TYPES as _CONTROL_TYPES
 from .codec import Envelope, Message, MessageType
 from .errors import (
     LocalProtocolError,
+    PeerDepartedError,
     PeerLostError,
     ProtocolError,
     RemoteProtocolError,
@@ -498,7 +499,7 @@ class IoThread:
             if kind is MessageType.HEARTBEAT:
                 stats.heartbeats_received += 1
             elif kind is MessageType.GOODBYE:
-                self._peer_lost(peer, "the peer closed its endpoint", level=logging.INFO)
+                self._peer_lost(peer, "the peer closed its endpoint", level=logging.INFO, kind=PeerDepartedError)
             elif kind is MessageType.PROTOCOL_ERROR:
                 self._to_dispatcher(self._peer_rejected, (peer, envelope))
             elif kind is MessageType.LEND_RELEASE:

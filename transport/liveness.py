@@ -63,7 +63,8 @@ class Liveness:
                 if now - record.since > options.connect_timeout:
                     self._peer_lost(record.name, f"did not complete HELLO within {options.connect_timeout} s")
 
-    def _peer_lost(self: Endpoint, peer: str, reason: str, level: int = logging.WARNING) -> None:
+    def _peer_lost(self: Endpoint, peer: str, reason: str, level: int = logging.WARNING,
+                   kind: type[PeerLostError] = PeerLostError) -> None:
         record = self._peers.get(peer)
         if record is not None and record.ring_in_active and record.state is not PeerState.LOST:
             self._read_ring(record)  # what it wrote before it went comes first
@@ -72,7 +73,7 @@ class Liveness:
             if record is None or record.state is PeerState.LOST:
                 return
             record.state = PeerState.LOST
-            error = PeerLostError(peer, f"{self.identity}: lost peer {peer!r}: {reason}")
+            error = kind(peer, f"{self.identity}: lost peer {peer!r}: {reason}")
             record.lost_error = error
             waiting, record.waiting = record.waiting, deque()
             lent, record.lent = record.lent, {}

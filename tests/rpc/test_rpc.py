@@ -476,6 +476,40 @@ def _run_pair(target, expected_results: int) -> list:
                 p.kill()
 
 
+def _leaves_before_its_peer_finished_joining(rank, init_method, results):
+    try:
+        from zmqautograd.transport.endpoint import Endpoint
+
+        if rank == 1:  # finishes joining only once w0 has left: the race of torch's test_local_shutdown
+            original = Endpoint.wait_for_peer
+
+            def late(self, peer, timeout=None):
+                if peer == "0":
+                    from tests.conftest import poll_until
+                    poll_until(lambda: self.is_lost("0"), 30, "w0 gone")
+                return original(self, peer, timeout)
+
+            Endpoint.wait_for_peer = late
+        options = rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=20)
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+        if rank == 1:
+            try:
+                rpc.rpc_sync("w0", f.whoami)
+            except RuntimeError as exc:
+                results.put((rank, type(exc).__name__, str(exc)))
+        rpc.shutdown(graceful=False)
+        results.put((rank, "shut down"))
+    except BaseException as exc:
+        results.put((rank, "error", repr(exc)))
+
+
+def test_a_worker_that_leaves_before_another_finished_joining_is_a_departed_member():
+    got = sorted(_run_pair(_leaves_before_its_peer_finished_joining, 3), key=str)
+    assert got[:2] == [(0, "shut down"), (1, "shut down")] or (0, "shut down") in got, got
+    (departed,) = [g for g in got if g[0] == 1 and g[1] != "shut down"]
+    assert departed[1] == "PeerDepartedError" and "closed its endpoint" in departed[2], got
+
+
 def test_shutdown_and_init_again_in_the_same_processes():
     got = sorted(_run_pair(_lifecycle_worker, 8), key=str)
     assert [g for g in got if g[1] == "error"] == []

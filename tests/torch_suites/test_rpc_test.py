@@ -34,7 +34,6 @@ _WAIT_ALL = "errors of RPC futures are results under an unwrap function, so wait
 
 # Differences from torch not fixed yet (issue 46): expected to fail until they are.
 KNOWN_GAPS: dict[str, str] = {
-    "test_local_shutdown": "init_rpc fails when a peer that joined shuts down (graceful=False) before it finishes",
     "test_wait_all_exit_early_builtin": _WAIT_ALL,
     "test_wait_all_exit_early_python": _WAIT_ALL,
     "test_wait_all_exit_early_script_function": _WAIT_ALL,
@@ -42,6 +41,6 @@ KNOWN_GAPS: dict[str, str] = {
 # Known gaps skipped instead: they would only wait for a 60 s timeout, or fail only when a
 # race goes one way.
 SLOW_GAPS = frozenset({"test_wait_all_exit_early_builtin", "test_wait_all_exit_early_python",
-                       "test_wait_all_exit_early_script_function", "test_local_shutdown"})
+                       "test_wait_all_exit_early_script_function"})
 
 globals().update(suites(__name__, [RpcTest], NOT_APPLICABLE, KNOWN_GAPS, SLOW_GAPS))

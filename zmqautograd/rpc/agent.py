@@ -20,6 +20,7 @@ import torch
 from zmqautograd.transport import (
     Extension,
     FaultPolicy,
+    PeerDepartedError,
     PeerLostError,
     cuda_ipc,
 )
@@ -186,7 +187,12 @@ class Agent(Calling, Answers, Serving):
                 self.endpoint.add_peer(str(member.rank), member.address)
         for member in members:
             if member.rank != self.rank:
-                self.endpoint.wait_for_peer(str(member.rank), self.endpoint.options.connect_timeout)
+                try:
+                    self.endpoint.wait_for_peer(str(member.rank), self.endpoint.options.connect_timeout)
+                except PeerDepartedError as exc:
+                    # It joined, and shut down before we finished joining (torch's
+                    # test_local_shutdown): a member that left, whose calls fail saying so.
+                    log.info("%s: %s left the group while this worker joined: %s", self.info, member.name, exc)
 
     # ---------------------------------------------------------------------------- lookup
 
@@ -251,8 +257,8 @@ class Agent(Calling, Answers, Serving):
             lost = [(i, p) for i, p in self._pending.items() if str(p.to.id) == peer]
             for message_id, _ in lost:
                 self._take(message_id)
-        for _, pending in lost:
-            pending.future.set_exception(PeerLostError(peer, f"call to {pending.to} failed: {error}"))
+        for _, pending in lost:  # (of the error's type: a peer that departed says so)
+            pending.future.set_exception(type(error)(peer, f"call to {pending.to} failed: {error}"))
         if self._arrivals:  # the others wait at the shutdown barrier for someone who is gone
             self._release_arrivals(PeerLostError(peer, f"shutdown: {error}"))
         if not peer.isdigit():  # workers are named by rank; anything else is no member
