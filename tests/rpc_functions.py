@@ -326,3 +326,8 @@ def profiled_events_of(profile_rref):
 def value_of_serialized_rref(data):
     """The value of the RRef ``RRef._serialize`` made ``data`` of, fetched from its owner."""
     return rpc.RRef._deserialize(data).to_here()
+
+
+@torch.jit.script
+def raise_in_script(message: str) -> torch.Tensor:
+    raise ValueError(message)

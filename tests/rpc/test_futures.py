@@ -12,6 +12,7 @@ import threading
 import weakref
 
 import pytest
+import torch
 
 from zmqautograd.transport import PeerLostError
 from zmqautograd.rpc.futures import Future, Outcome, traceback_text
@@ -155,3 +156,42 @@ def test_an_outcomes_wait_blocks_until_another_thread_sets_it():
     for thread in threads:
         thread.join(5)
     assert got == ["ready"] * 3
+
+
+def test_wait_all_and_collect_all_end_at_the_first_error_of_our_futures_with_its_type():
+    """torch documents that both end at the first error; with futures of ours among them
+    they do (rpc/futures.py), raising the error's own type, while others still wait."""
+    pending, failed, done = Future(), Future(), Future()
+    done.set_result(1)
+    failed.set_exception(ValueError("the first error"))
+    with pytest.raises(ValueError, match="the first error"):
+        torch.futures.wait_all([pending, failed, done])
+    collected = torch.futures.collect_all([pending, failed])
+    with pytest.raises(ValueError, match="the first error"):
+        collected.wait()
+    later = Future()
+    threading.Thread(target=later.set_result, args=(2,)).start()
+    assert torch.futures.wait_all([done, later]) == [1, 2]
+    assert [f.wait() for f in torch.futures.collect_all([done, later]).wait()] == [1, 2]
+    assert torch.futures.wait_all([]) == []
+    plain = torch.futures.Future()  # torch's own futures: torch's own functions
+    plain.set_result(3)
+    assert torch.futures.wait_all([plain]) == [3]
+
+
+def test_an_error_raised_by_wait_all_keeps_nothing_alive():
+    future = Future()
+    future.set_exception(PeerLostError("3", "lost peer '3'"))
+    marker = _Marker()
+    alive = weakref.ref(marker)
+
+    def wait_all_and_swallow(futures, marker):
+        try:
+            torch.futures.wait_all(futures)
+        except RuntimeError:
+            pass
+
+    wait_all_and_swallow([future], marker)
+    del marker, future
+    gc.collect()
+    assert alive() is None

@@ -1102,3 +1102,21 @@ def test_an_rref_serialized_as_data_is_a_fork_wherever_it_is_deserialized(group)
     assert torch.equal(rpc.RRef._deserialize(rref._serialize()).to_here(), torch.full((2,), 3.0))
     owned = rpc.RRef(torch.zeros(1))
     assert torch.equal(rpc.rpc_sync("worker1", f.value_of_serialized_rref, args=(owned._serialize(),)), torch.zeros(1))
+
+
+def test_wait_all_raises_the_first_remote_error_while_another_call_still_runs(group):
+    """torch's test_wait_all_exit_early_*: the error of a failed call ends the wait at once,
+    with its type; a TorchScript function's error is a RuntimeError, as torch's."""
+    blocked = rpc.rpc_async("worker1", f.wait_at_gate, args=(7,))
+    try:
+        failing = rpc.rpc_async("worker1", f.raise_value_error, args=("early",))
+        with pytest.raises(ValueError, match="early"):
+            torch.futures.wait_all([blocked, failing])
+        assert not blocked.done()
+        scripted = rpc.rpc_async("worker2", f.raise_in_script, args=("scripted",))
+        with pytest.raises(rpc.ScriptFunctionError, match="scripted") as caught:
+            torch.futures.wait_all([blocked, scripted])
+        assert isinstance(caught.value, RuntimeError)
+    finally:
+        rpc.rpc_sync("worker1", f.open_gate)
+    assert blocked.wait() == 7

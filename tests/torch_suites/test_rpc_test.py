@@ -30,17 +30,4 @@ NOT_APPLICABLE: dict[str, str] = {
     "test_use_rref_after_shutdown": "forks an RRef through torch's private rpc.internal.serialize",
 }
 
-_WAIT_ALL = "errors of RPC futures are results under an unwrap function, so wait_all waits for every future"
-
-# Differences from torch not fixed yet (issue 46): expected to fail until they are.
-KNOWN_GAPS: dict[str, str] = {
-    "test_wait_all_exit_early_builtin": _WAIT_ALL,
-    "test_wait_all_exit_early_python": _WAIT_ALL,
-    "test_wait_all_exit_early_script_function": _WAIT_ALL,
-}
-# Known gaps skipped instead: they would only wait for a 60 s timeout, or fail only when a
-# race goes one way.
-SLOW_GAPS = frozenset({"test_wait_all_exit_early_builtin", "test_wait_all_exit_early_python",
-                       "test_wait_all_exit_early_script_function"})
-
-globals().update(suites(__name__, [RpcTest], NOT_APPLICABLE, KNOWN_GAPS, SLOW_GAPS))
+globals().update(suites(__name__, [RpcTest], NOT_APPLICABLE))

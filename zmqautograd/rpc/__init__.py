@@ -29,6 +29,7 @@ from .errors import (
     RpcError,
     RpcNotInitializedError,
     RpcTimeoutError,
+    ScriptFunctionError,
     SerializationError,
 )
 from .options import (
@@ -47,6 +48,6 @@ __all__ = [
     "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized", "_get_current_rpc_agent", "is_available",
     "_get_debug_info", "_rref_context_get_debug_info",
     "OperatorArgumentsError", "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
-    "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",
+    "ScriptFunctionError", "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",
     "BackendType", "TensorPipeRpcBackendOptions", "_server_process_global_profile",
 ]

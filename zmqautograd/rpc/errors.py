@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from zmqautograd.transport.errors import PeerLostError, TransportError  # noqa: F401  (re-exported)
 
 
@@ -44,6 +46,11 @@ class AsyncResultError(RpcError, TypeError):
     Python raises for a value of the wrong type. This is both."""
 
 
+class ScriptFunctionError(RpcError):
+    """A TorchScript function run by RPC failed: torch's caller gets a RuntimeError with the
+    interpreter's message (``torch.jit.Error`` is no RuntimeError), and so does ours."""
+
+
 def user_error(error: BaseException) -> Exception:
     """What a user's function raised, as an exception the RPC layer carries back to the caller
     (futures take only Exceptions). SystemExit, KeyboardInterrupt and the other exceptions
@@ -64,7 +71,12 @@ def as_operator_error(function: Callable, exc: Exception) -> Exception:
     """What calling ``function`` raised, as the caller is to get it: a TypeError from a
     builtin operator given arguments it does not take becomes what torch raises for that
     (RuntimeError, "failed to match any schema"), still a TypeError too
-    (OperatorArgumentsError). Anything else, Python functions' TypeErrors included, as is."""
+    (OperatorArgumentsError); a TorchScript function's error a ScriptFunctionError, as
+    torch's RuntimeError. Anything else, Python functions' TypeErrors included, as is."""
+    if isinstance(exc, torch.jit.Error) and isinstance(function, torch.jit.ScriptFunction):
+        error: Exception = ScriptFunctionError(str(exc))
+        error.__traceback__ = exc.__traceback__
+        return error
     if type(exc) is not TypeError:
         return exc
     name = _builtin_operator_name(function)

@@ -194,3 +194,110 @@ def outcome_of(future: Any) -> tuple[Any, BaseException | None]:
         return future.value(), None
     except Exception as exc:  # noqa: BLE001 - handed on as the outcome
         return None, exc
+
+
+def when_all_done(futures: list, callback: Callable[[], Any]) -> None:
+    """Run ``callback()`` once every future of ``futures`` is done, failed ones included (on
+    the thread that completes the last; at once when all are done already)."""
+    remaining = [len(futures)]
+    lock = _allocate_lock()
+
+    def one_done(_: Any) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback()
+
+    if not futures:
+        callback()
+    for future in futures:
+        future.add_done_callback(one_done)
+
+
+# ------------------------------------------------------------- torch.futures.wait_all et al.
+#
+# torch documents that ``torch.futures.wait_all`` and ``collect_all`` end at the first error
+# among their futures. They wait in C++, which sees a future fail only when C++ failed it:
+# our futures keep their errors as results (above), and from Python a torch future can be
+# failed only through ``then``, which turns the error into a RuntimeError of another text. So
+# for lists that hold futures of ours, both are replaced (``_install``) by the same contract
+# kept here: the first error ends the wait, raised with its own type; other lists go to
+# torch's own functions unchanged.
+
+_torch_wait_all = torch.futures.wait_all
+_torch_collect_all = torch.futures.collect_all
+
+
+def _any_ours(futures: Any) -> bool:
+    return isinstance(futures, (list, tuple)) and any(isinstance(f, Future) for f in futures)
+
+
+def _first_error_or_all(futures: list, settle: Callable[[BaseException | None], None]) -> None:
+    """Call ``settle(error)`` at the first future that fails, or ``settle(None)`` once all
+    are done, exactly once. C++ callbacks: the futures of rpc_async stay unobserved (calls.py)."""
+    state = {"remaining": len(futures), "settled": False}
+    lock = _allocate_lock()
+
+    def one_done(done: Any) -> None:
+        _, error = outcome_of(done)
+        with lock:
+            state["remaining"] -= 1
+            if state["settled"] or (error is None and state["remaining"] > 0):
+                return
+            state["settled"] = True
+        settle(error)
+
+    if not futures:
+        settle(None)
+    for future in futures:
+        torch._C.Future.add_done_callback(future, one_done)
+
+
+def wait_all(futures: list) -> list:
+    """``torch.futures.wait_all``, exiting at the first error (see above)."""
+    if not _any_ours(futures):
+        return _torch_wait_all(futures)
+    ended = threading.Event()
+    first: list[BaseException | None] = []
+
+    def settle(error: BaseException | None) -> None:
+        first.append(error)
+        ended.set()
+
+    _first_error_or_all(list(futures), settle)
+    ended.wait()
+    error = first.pop()
+    if error is not None:
+        try:
+            raise error.with_traceback(None)  # (a copy our future raised for this wait alone)
+        finally:
+            del error
+    return [future.wait() for future in futures]
+
+
+def collect_all(futures: list) -> torch.futures.Future:
+    """``torch.futures.collect_all``: a future of the futures once all are done, failed
+    with the first error (see above)."""
+    if not _any_ours(futures):
+        return _torch_collect_all(futures)
+    collected = Future()
+    futures = list(futures)
+
+    def settle(error: BaseException | None) -> None:
+        if error is not None:
+            collected.set_exception(error)
+        else:
+            collected.set_result(futures)
+
+    _first_error_or_all(futures, settle)
+    return collected
+
+
+def _install() -> None:
+    if getattr(torch.futures.wait_all, "__module__", "") != __name__:
+        torch.futures.wait_all = wait_all  # type: ignore[assignment]
+        torch.futures.collect_all = collect_all  # type: ignore[assignment]
+
+
+_install()

@@ -20,7 +20,7 @@ from . import current
 from .errors import SerializationError, as_operator_error, user_error
 from .functions import check_async_result, is_async_function
 from .message_types import REQUEST_TYPES, RESPONSE_TYPES
-from .futures import traceback_text
+from .futures import traceback_text, when_all_done
 from .profiling import run_server_profiled, server_profiles
 from .serialization import (
     encode_exception,
@@ -56,7 +56,7 @@ class Serving:
         runs once they are, on a pool thread (torch's callee waits for its pending user RRefs
         too: inside, ``confirmed_by_owner()`` is True). A registration that fails does not
         stop the call; using that RRef raises why."""
-        torch.futures.collect_all(registering).add_done_callback(lambda _: self.pool.submit(self._serve, message))
+        when_all_done(registering, lambda: self.pool.submit(self._serve, message))
 
     def start_serving(self: Agent) -> None:
         self._serving.set()
