@@ -3,6 +3,7 @@
 # time on it: the CUDA tests (device maps, pinned staging, CUDA IPC, the one-GPU device-map
 # cases staged and by IPC, CUDA layouts on the wire), the IPC streams case 3 more times (it
 # crashed a worker inside torch before transport/cuda_ipc.py kept torch's limbo occupied),
+# torch's own CUDA test classes verbatim,
 # then tools/bench_cuda.py; with CPU_BENCH=1, tools/bench.py too. Each piece has its own time
 # limit; logs go to OUT_DIR.
 #
@@ -38,6 +39,11 @@ for run in 1 2 3; do
         -k sync_streams_on_one_gpu_cuda_ipc > "$out/streams_$run.txt" 2>&1 || status=1
     echo "run $run: $(tail -1 "$out/streams_$run.txt")"
 done
+
+step "torch's own CUDA test classes, verbatim (tests/torch_suites)"
+timeout 300 "$py" -m pytest -q -p no:cacheprovider -rA tests/torch_suites/test_dist_autograd_test.py \
+    -k "Cuda" > "$out/torch_cuda_suites.txt" 2>&1 || status=1
+grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/torch_cuda_suites.txt" | tail -30
 
 step "tools/bench_cuda.py"
 timeout 240 "$py" tools/bench_cuda.py --rounds 2 2>&1 | tee "$out/bench_cuda.txt" || status=1

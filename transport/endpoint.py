@@ -247,6 +247,14 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         else:
             self.expect(peer)
 
+    def forget_peer(self, peer: str) -> None:
+        """Drop what is left of a lost peer, so that a peer of that name can be added again
+        (a worker that left a dynamic group and joins it again)."""
+        with self._lock:
+            record = self._peers.get(peer)
+            if record is not None and record.state is PeerState.LOST:
+                del self._peers[peer]
+
     def connect(self, peer: str, address: str) -> None:
         """Connect to ``peer`` at ``address``; messages to it may be sent right away."""
         with self._lock:

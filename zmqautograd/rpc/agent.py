@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,6 +40,7 @@ from .futures import Future
 from .hooks import CallHooks, make_call_hooks
 from .options import ZmqRpcBackendOptions
 from .pool import ElasticPool
+from .membership import DynamicGroup
 from .rendezvous import Member, Rendezvous, advertise_address
 from .rref import RRef
 from .rref_context import RRefContext
@@ -80,7 +82,7 @@ class WorkerInfo:
 
 
 class Agent(Calling, Answers, Serving):
-    def __init__(self, name: str, rendezvous: Rendezvous, options: ZmqRpcBackendOptions):
+    def __init__(self, name: str, rendezvous: Rendezvous | DynamicGroup, options: ZmqRpcBackendOptions):
         self.options = options
         self.rank = rendezvous.rank
         self._me = str(self.rank)  # our name on the wire
@@ -140,6 +142,10 @@ class Agent(Calling, Answers, Serving):
         self._arrivals: dict[int, torch.futures.Future] = {}  # the leader's shutdown barrier
         self._barrier_ids: set[int] = set()  # our own pending barrier call
         self._retrying = 0  # retryable control messages not settled yet (call_retrying)
+        # A dynamic group (init_rpc without world_size: membership.py), else None.
+        self.group = rendezvous if isinstance(rendezvous, DynamicGroup) else None
+        self._members: dict[str, Member] = {}
+        self._departed: dict[str, str] = {}  # name -> how a member of a dynamic group went
         try:
             members = rendezvous.exchange(name, self.endpoint.address, self._device_record(),
                                           self.membership.own.published(), self.membership.mechanism, self._secret)
@@ -157,42 +163,105 @@ class Agent(Calling, Answers, Serving):
         }
 
     def _set_members(self, members: list[Member]) -> None:
-        self.workers = {m.name: WorkerInfo(m.name, m.rank) for m in members}
-        self.workers_by_id = {info.id: info for info in self.workers.values()}
-        names = [m.name for m in members]
-        maps = {m.name: decode_maps(m.devices.get("maps", {})) for m in members}
+        self._admit(members)
+        if self.group is None:
+            self.membership.seal()  # nobody else: credentials of anybody else are refused
+        self.endpoint.members_changed()
+        for member in members:
+            if member.rank != self.rank:
+                self.endpoint.add_peer(str(member.rank), member.address)
+        if self.group is not None:
+            self.group.watch(self._member_joined, self._member_left)
+        for member in members:
+            if member.rank != self.rank:
+                self._wait_for_member(member)
+
+    def _admit(self, members: list[Member]) -> None:
+        """Make ``members`` the group (all of it, or, joining a dynamic group, more of it):
+        their names, device maps, credentials."""
+        everyone = {**self._members, **{m.name: m for m in members}}
         validate_device_maps(
-            names,
-            {m.name: int(m.devices.get("count", 0)) for m in members},
-            maps,
-            {m.name: [torch.device(d) for d in m.devices.get("devices", [])] for m in members},
+            list(everyone),
+            {m.name: int(m.devices.get("count", 0)) for m in everyone.values()},
+            {m.name: decode_maps(m.devices.get("maps", {})) for m in everyone.values()},
+            {m.name: [torch.device(d) for d in m.devices.get("devices", [])] for m in everyone.values()},
         )
-        self.placement = DevicePlacement(self.info.name, maps)
-        sending = self.placement.sending_devices() if self.cuda_ipc and torch.cuda.is_available() else []
-        if sending:
-            # Before any of our threads or the user's shares or allocates CUDA memory
-            # (transport/cuda_ipc.py, "_limbo_anchor"). It initializes CUDA, as TensorPipe does
-            # for the devices of its maps.
-            cuda_ipc.prepare(sending[0])
         for member in members:
             if member.rank != self.rank:
                 try:
                     self.membership.admit(str(member.rank), member.credential)
                 except ValueError as exc:
                     raise RendezvousError(f"rank {member.rank} published no usable credentials: {exc}") from None
-        self.membership.seal()
+        self._set_workers(everyone)
+
+    def _set_workers(self, members: dict[str, Member]) -> None:
+        # New dicts, never changed in place: calls read them without a lock.
+        self._members = members
+        self.placement = DevicePlacement(self.info.name, {m.name: decode_maps(m.devices.get("maps", {}))
+                                                          for m in members.values()})
+        self.workers = {m.name: WorkerInfo(m.name, m.rank) for m in members.values()}
+        self.workers_by_id = {info.id: info for info in self.workers.values()}
+        sending = self.placement.sending_devices() if self.cuda_ipc and torch.cuda.is_available() else []
+        if sending:
+            # Before any of our threads or the user's shares or allocates CUDA memory
+            # (transport/cuda_ipc.py, "_limbo_anchor"). It initializes CUDA, as TensorPipe does
+            # for the devices of its maps.
+            cuda_ipc.prepare(sending[0])
+
+    def _wait_for_member(self, member: Member) -> None:
+        peer, timeout = str(member.rank), self.endpoint.options.connect_timeout
+        if self.group is None:
+            try:
+                self.endpoint.wait_for_peer(peer, timeout)
+            except PeerDepartedError as exc:
+                # It joined, and shut down before we finished joining (torch's
+                # test_local_shutdown): a member that left, whose calls fail saying so.
+                log.info("%s: %s left the group while this worker joined: %s", self.info, member.name, exc)
+            return
+        # A dynamic group's member may leave while we join: its event ends the wait.
+        deadline = time.monotonic() + timeout
+        while self._members.get(member.name) is member:
+            try:
+                self.endpoint.wait_for_peer(peer, min(0.05, max(deadline - time.monotonic(), 0.0)))
+                return
+            except PeerLostError as exc:
+                log.info("%s: %s left the group while this worker joined: %s", self.info, member.name, exc)
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise RendezvousError(f"{self.info}: member {member.name} (rank {member.rank}) of the group "
+                                          f"did not connect within {timeout} s") from None
+
+    # ------------------------------------------------------------------ dynamic groups
+
+    def _member_joined(self, member: Member) -> None:
+        """A worker joined our dynamic group (membership.py; on its watcher thread): admitted
+        before its handshake with us can finish."""
+        known = self._members.get(member.name)
+        if known is not None and known.rank == member.rank and known.credential == member.credential:
+            return
+        peer = str(member.rank)
+        self._admit([member])
+        self._departed.pop(member.name, None)
+        self.endpoint.forget_peer(peer)  # a rank that left and comes back
         self.endpoint.members_changed()
-        for member in members:
-            if member.rank != self.rank:
-                self.endpoint.add_peer(str(member.rank), member.address)
-        for member in members:
-            if member.rank != self.rank:
-                try:
-                    self.endpoint.wait_for_peer(str(member.rank), self.endpoint.options.connect_timeout)
-                except PeerDepartedError as exc:
-                    # It joined, and shut down before we finished joining (torch's
-                    # test_local_shutdown): a member that left, whose calls fail saying so.
-                    log.info("%s: %s left the group while this worker joined: %s", self.info, member.name, exc)
+        self.endpoint.add_peer(peer, member.address)
+
+    def _member_left(self, rank: int, how: str) -> None:
+        """A member of our dynamic group left (``how``: "leave") or was lost ("lost")."""
+        info = self.workers_by_id.get(rank)
+        if info is None:
+            return
+        self._departed[info.name] = how
+        self._set_workers({name: m for name, m in self._members.items() if m.rank != rank})
+
+    def leave_group(self) -> None:
+        """Shutting down in a dynamic group: tell the group (the log), once."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.stop()
+            if group.event:  # (a join refused never published one: its rank may be another's)
+                group.leave()
 
     # ---------------------------------------------------------------------------- lookup
 
@@ -222,12 +291,16 @@ class Agent(Calling, Answers, Serving):
         if isinstance(to, str):
             info = self.workers.get(to)
             if info is None:
+                how = self._departed.get(to)
+                if how is not None:
+                    raise RpcError(f"could not find destination worker {to!r}: it left the group ({how}); "
+                                   f"workers are {sorted(self.workers)}")
                 raise RpcError(f"could not find destination worker {to!r}; workers are {sorted(self.workers)}")
             return info
         if isinstance(to, int) and not isinstance(to, bool):
             info = self.workers_by_id.get(to)
             if info is None:
-                raise RpcError(f"could not find destination worker id {to}; ids are 0..{len(self.workers) - 1}")
+                raise RpcError(f"could not find destination worker id {to}; ids are {sorted(self.workers_by_id)}")
             return info
         # torch's type and message (rpc/api.py, _to_worker_info).
         raise ValueError(f"Cannot get WorkerInfo from name {to}: a worker is named by its name, id or WorkerInfo")
@@ -245,6 +318,7 @@ class Agent(Calling, Answers, Serving):
         return {
             "num_pending_requests": str(self.outstanding()),
             "thread_pool_size": str(self.pool.thread_count),
+            "agent.thread_pool_size": str(self.pool.size),  # torch's key: the threads asked for
             "num_worker_threads": str(self.pool.size),
             "world_size": str(len(self.workers)),
             "rpc_timeout_sec": str(self.default_timeout),
@@ -263,6 +337,11 @@ class Agent(Calling, Answers, Serving):
             self._release_arrivals(PeerLostError(peer, f"shutdown: {error}"))
         if not peer.isdigit():  # workers are named by rank; anything else is no member
             return
+        group = self.group
+        if group is not None and not isinstance(error, PeerDepartedError) and int(peer) in self.workers_by_id:
+            # Lost without a goodbye: the group's log says so, for whoever joins next (a
+            # thread: the store may be slow or gone).
+            threading.Thread(target=group.leave, args=("lost", int(peer)), daemon=True).start()
         self.hooks.peer_lost(int(peer), error)  # (distributed autograd: its passes and contexts)
         # Forks it held of our values, and our RRefs kept for it (rref.py).
         self.rrefs.peer_lost(int(peer), error)
@@ -321,6 +400,7 @@ class Agent(Calling, Answers, Serving):
                 self._done_waiters -= 1
 
     def _close_now(self, reason: str, drain: float = 10.0) -> None:
+        self.leave_group()  # (a dynamic group's; before the goodbyes, so joiners skip us)
         self._serving.set()  # release calls that were waiting for an init that failed
         with self._lock:
             self._stopping = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import gc
 import threading
 from datetime import timedelta
@@ -18,7 +19,8 @@ from .errors import RpcError, RpcNotInitializedError
 from .futures import Future
 from .constants import DEFAULT_RPC_TIMEOUT_SEC, UNSET_RPC_TIMEOUT
 from .profiling import profiler_enabled, set_profiler_node_id
-from .options import BackendType, ZmqRpcBackendOptions
+from .options import BackendType, RpcBackendOptions, ZmqRpcBackendOptions
+from .membership import DynamicGroup
 from .rendezvous import Rendezvous
 from .rref import RRef
 from .rref_owner import _run_remote
@@ -60,11 +62,15 @@ def init_rpc(
     # torch's checks and messages (rpc/__init__.py, _validate_rpc_args).
     if backend is not None and not isinstance(backend, BackendType):
         raise TypeError("Argument backend must be a member of BackendType")
-    if rpc_backend_options is not None and not isinstance(rpc_backend_options, ZmqRpcBackendOptions):
+    if rpc_backend_options is not None and not isinstance(rpc_backend_options, RpcBackendOptions):
         raise TypeError(
             "Argument rpc_backend_options must be an instance of RpcBackendOptions "
             f"(here zmqautograd.rpc.ZmqRpcBackendOptions), got {type(rpc_backend_options).__qualname__}"
         )
+    if rpc_backend_options is not None and not isinstance(rpc_backend_options, ZmqRpcBackendOptions):
+        raise TypeError(  # another backend's options
+            "`rpc_backend_options` must be a `TensorPipeRpcBackendOptions` (zmqautograd.rpc.ZmqRpcBackendOptions, "
+            f"the same class), got {type(rpc_backend_options).__qualname__}")
     if type(rank) is not int or (world_size is not None and type(world_size) is not int):
         raise TypeError(f"Argument rank must be of type int and world_size of type int or None, got {rank!r}, {world_size!r}")
     WorkerInfo(name, 0)  # torch's rules for names, checked before anyone waits for us
@@ -74,10 +80,19 @@ def init_rpc(
             raise RpcError("RPC is already initialized")
         _collect_startup_garbage()
         timeout = options.rpc_timeout if options.rpc_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
-        rendezvous = Rendezvous(options.init_method, rank, world_size, timeout)
+        rendezvous: Rendezvous | DynamicGroup
+        if world_size is None and not _world_size_from_environment(options.init_method):
+            rendezvous = DynamicGroup(options.init_method, rank, timeout)  # membership.py
+        else:
+            rendezvous = Rendezvous(options.init_method, rank, world_size, timeout)
         _agent = Agent(name, rendezvous, options)
         set_profiler_node_id(_agent.rank)  # profiler events made here name this worker (profiling.py)
     _agent.start_serving()
+
+
+def _world_size_from_environment(init_method: str) -> bool:
+    """env:// takes a missing world_size from WORLD_SIZE, as torch's."""
+    return init_method.startswith("env://") and "WORLD_SIZE" in os.environ
 
 
 def _collect_startup_garbage() -> None:
@@ -105,6 +120,8 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     with a RuntimeError at once; a positive ``timeout`` (seconds) bounds them. Either way the
     worker is closed, and the error says what was still outstanding.
     graceful=False: fail this worker's pending calls and close at once.
+    In a dynamic group (``init_rpc`` without ``world_size``) the worker leaves alone: the
+    same waits for its own calls and deletes, no barrier; the group learns it left.
     """
     global _agent
     with _state_lock:
@@ -113,12 +130,13 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     # still serves their calls, and those may make RPCs of their own.
     limit = timeout if timeout > 0 else None
     error: Exception | None = None
+    barrier = agent.shutdown_barrier if agent.group is None else (lambda limit: None)
     if graceful:
         try:
             # Outstanding calls end by themselves: answered, timed out, or failed by peer loss.
             if not agent.wait_outstanding(limit):
                 raise RpcError(f"shutdown: {agent.outstanding()} call(s) of {agent.info} still outstanding after {limit} s")
-            agent.shutdown_barrier(limit)  # every worker's own work is done (torch's _wait_all_workers)
+            barrier(limit)  # every worker's own work is done (torch's _wait_all_workers)
             # As torch, then: user RRefs are deleted (their owners told), and using one
             # afterwards says so; a second barrier keeps everyone open until every delete is
             # answered. (Looked up at call time: torch's tests patch it.)
@@ -128,7 +146,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
                 error = RpcError(f"Leaking RRef: {leaked} user RRef(s) of {agent.info} were not deleted at shutdown")
             if not agent.wait_outstanding(limit):
                 raise RpcError(f"shutdown: RRef deletions of {agent.info} still outstanding after {limit} s")
-            agent.shutdown_barrier(limit)
+            barrier(limit)
         except RuntimeError as exc:  # timed out, or a peer was lost: say so, close anyway
             error = RpcError(f"shutdown of {agent.info} was not graceful: {exc}")
     global _closing

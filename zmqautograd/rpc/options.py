@@ -102,6 +102,8 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
         fault_seed:
             fault injection, as torch's faulty agent options (``zmqautograd.transport.faults``; also
             from the environment variable ZMQAUTOGRAD_FAULTS).
+        _transports / _channels: TensorPipe's choice of transports and channels, taken so
+            that programs that pass them run unchanged; they choose nothing over ZeroMQ.
         max_retries / retry_delay / retry_backoff: how the retryable control messages
             (RREF_FORK_REQUEST, RREF_CHILD_ACCEPT, RREF_USER_DELETE,
             CLEANUP_AUTOGRAD_CONTEXT_REQ) are retried: up to ``max_retries`` more tries,
@@ -137,8 +139,16 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
     max_retries: int = 5
     retry_delay: float = 0.1
     retry_backoff: float = 2.0
+    _transports: list[str] | None = field(default=None, repr=False)
+    _channels: list[str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        # torch's options are a C++ class: a value of another type does not construct it.
+        for name, kinds in (("rpc_timeout", (int, float)), ("num_worker_threads", (int,)), ("init_method", (str,))):
+            value = getattr(self, name)
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                raise TypeError(f"__init__(): incompatible constructor arguments: {name} must be "
+                                f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__qualname__}")
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.cuda_ipc and not self.lend_min:
@@ -177,6 +187,5 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
         self.devices = [to_device(d) for d in devices]
 
 
-# So that code ported by changing the import alone still builds its options (the options
-# TensorPipe's have and ours lack, ``_transports`` and ``_channels``, are refused).
+# So that code ported by changing the import alone still builds its options.
 TensorPipeRpcBackendOptions = ZmqRpcBackendOptions

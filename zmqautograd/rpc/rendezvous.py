@@ -20,6 +20,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -30,6 +31,8 @@ from zmqautograd.transport.security import record_is_authentic, sign_record
 from .errors import RendezvousError
 
 PREFIX = "zmqautograd"
+DYNAMIC_KEY = f"{PREFIX}/dynamic"  # the log of a dynamic group (membership.py)
+MIXED = "RPC group mixes statically and dynamically initialized members which is not supported."
 
 # Stores outlive init_rpc/shutdown rounds. Re-creating rank 0's TCPStore server per round races
 # with peers that already reconnect for the next round to the server being torn down; the keys
@@ -64,6 +67,8 @@ class Rendezvous:
         if store_key not in _stores:
             _stores[store_key] = _open_store(url, rank, world_size, timeout)
         self.store = _stores[store_key]
+        if self.store.check([f"{DYNAMIC_KEY}/event/1"]):
+            raise RuntimeError(MIXED)  # torch's words
         self.round = self.store.add(f"{PREFIX}/round/{rank}", 1)
         self.key = f"{PREFIX}/{self.round}"
         self.master_addr = _master_address(init_method)
@@ -129,9 +134,8 @@ def _seal(secret: bytes | None, key: str, record: str) -> str:
     return json.dumps({"record": record, "hmac": sign_record(secret, key, record.encode())})
 
 
-def _open(secret: bytes | None, key: str, value: bytes, rank: int) -> dict:
-    """A member's record read back: checked against its signature (with a secret), well
-    formed, and of the rank its key says."""
+def _unseal(secret: bytes | None, key: str, value: bytes) -> Any:
+    """A record read back from the store, checked against its signature (with a secret)."""
     try:
         text = value.decode()
         if secret is not None:
@@ -142,16 +146,22 @@ def _open(secret: bytes | None, key: str, value: bytes, rank: int) -> dict:
                     f"rendezvous record {key!r} is not signed with this group's cluster secret: it was forged, "
                     "or written by a worker with another secret; refusing to join")
             text = sealed["record"]
-        record = json.loads(text)
-        if not isinstance(record, dict) or record.get("rank") != rank or not isinstance(record.get("name"), str) \
-                or not isinstance(record.get("address"), str):
-            raise ValueError("not a member record of that rank")
+        return json.loads(text)
     except ValueError as exc:  # (UnicodeDecodeError and json's errors are ValueErrors)
         raise RendezvousError(f"rendezvous record {key!r} is malformed ({exc}); refusing to join") from None
+
+
+def _open(secret: bytes | None, key: str, value: bytes, rank: int) -> dict:
+    """A member's record read back: checked against its signature (with a secret), well
+    formed, and of the rank its key says."""
+    record = _unseal(secret, key, value)
+    if not isinstance(record, dict) or record.get("rank") != rank or not isinstance(record.get("name"), str) \
+            or not isinstance(record.get("address"), str):
+        raise RendezvousError(f"rendezvous record {key!r} is malformed (not a member record of rank {rank}); refusing to join")
     return record
 
 
-def _open_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:
+def _open_store(init_method: str, rank: int, world_size: int | None, timeout: float) -> dist.Store:
     """torch's TCPStore (env://, tcp://; hosted by rank 0) or FileStore (file://). The TCPStore
     does not wait for all workers itself: the exchange does, and names who is missing."""
     url = urlparse(init_method)
@@ -171,7 +181,7 @@ def _open_store(init_method: str, rank: int, world_size: int, timeout: float) ->
                 wait_for_workers=False, multi_tenant=True,
             )
         if url.scheme == "file":
-            return dist.FileStore(url.path, world_size)
+            return dist.FileStore(url.path, -1 if world_size is None else world_size)
     except (RuntimeError, ValueError) as exc:
         raise RendezvousError(f"rank {rank}: cannot reach the rendezvous store at {init_method}: {exc}") from None
     raise ValueError(f"unsupported init_method {init_method!r}: use env://, tcp://host:port or file:///path")

@@ -1,0 +1,156 @@
+"""Dynamic membership (rpc/membership.py): ``init_rpc`` without ``world_size`` joins a group
+that runs; members see who joins and who leaves, calls work both ways, a departed or dead
+member fails calls clearly and does not hold up those who join later. Real worker
+processes; this process is w0, the worker whose rank hosts the store."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+import zmqautograd.rpc as rpc
+from zmqautograd.transport import PeerLostError
+
+from tests import rpc_functions as f
+from tests.conftest import poll_until
+from tests.rpc_harness import free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+OPTIONS = {"rpc_timeout": 20, "heartbeat_interval": 0.2, "peer_timeout": 2.0}
+
+
+def _member(rank: int, name: str, init_method: str, commands, results) -> None:
+    """A worker that joins, reports what it sees, then runs the test's commands."""
+    try:
+        rpc.init_rpc(name, rank=rank, rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, **OPTIONS))
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        results.put((name, "refused", f"{type(exc).__name__}: {exc}"))
+        return
+    results.put((name, "joined", _names()))
+    while True:
+        command = commands.get(timeout=120)
+        if command == "leave":
+            rpc.shutdown()
+            results.put((name, "left"))
+            return
+        results.put((name, "called", rpc.rpc_sync(command, f.whoami)))
+
+
+def _names() -> list[str]:
+    return sorted(info.name for info in rpc._get_current_rpc_agent().get_worker_infos())
+
+
+class _Cluster:
+    def __init__(self) -> None:
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.context = mp.get_context("spawn")
+        self.results = self.context.Queue()
+        self.processes: dict[str, tuple] = {}
+
+    def join(self, rank: int, name: str) -> tuple:
+        commands = self.context.Queue()
+        process = self.context.Process(target=_member, args=(rank, name, self.init_method, commands, self.results))
+        process.start()
+        self.processes[name] = (process, commands)
+        return self.next()
+
+    def next(self) -> tuple:
+        return self.results.get(timeout=60)
+
+    def tell(self, name: str, command: str) -> tuple:
+        self.processes[name][1].put(command)
+        return self.next()
+
+    def close(self) -> None:
+        for process, commands in self.processes.values():
+            if process.is_alive():
+                commands.put("leave")
+        for process, _ in self.processes.values():
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
+@pytest.fixture
+def cluster():
+    c = _Cluster()
+    rpc.init_rpc("w0", rank=0, rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=c.init_method, **OPTIONS))
+    try:
+        yield c
+    finally:
+        c.close()
+        rpc.shutdown()
+
+
+def test_workers_join_a_running_group_call_each_other_leave_and_come_back(cluster):
+    assert _names() == ["w0"]
+    assert cluster.join(1, "w1") == ("w1", "joined", ["w0", "w1"])
+    assert _names() == ["w0", "w1"]  # admitted before w1's init_rpc could finish
+    assert rpc.rpc_sync("w1", f.whoami) == "w1"
+    assert cluster.tell("w1", "w0") == ("w1", "called", "w0")
+    assert cluster.join(5, "w5") == ("w5", "joined", ["w0", "w1", "w5"])  # ranks need not be dense
+    assert cluster.tell("w5", "w1") == ("w5", "called", "w1")
+    assert cluster.tell("w1", "w5") == ("w1", "called", "w5")
+    assert torch.equal(rpc.rpc_sync(5, torch.add, args=(torch.ones(2), 1)), torch.full((2,), 2.0))
+
+    assert cluster.tell("w1", "leave") == ("w1", "left")
+    poll_until(lambda: _names() == ["w0", "w5"], 30, "w1 gone from the group")
+    with pytest.raises(RuntimeError, match="'w1': it left the group"):
+        rpc.rpc_sync("w1", f.whoami)
+    assert cluster.tell("w5", "w0") == ("w5", "called", "w0")
+
+    # The same name and rank again, in a new process.
+    assert cluster.join(1, "w1") == ("w1", "joined", ["w0", "w1", "w5"])
+    assert rpc.rpc_sync("w1", f.whoami) == "w1"
+    assert cluster.tell("w5", "w1") == ("w5", "called", "w1")
+
+
+def test_a_taken_name_or_rank_is_refused_and_the_group_goes_on(cluster):
+    assert cluster.join(1, "w1")[1] == "joined"
+    name, outcome, why = cluster.join(2, "w1")
+    assert (name, outcome) == ("w1", "refused") and "is not unique" in why
+    name, outcome, why = cluster.join(1, "other")
+    assert outcome == "refused" and "rank 1 is taken by member 'w1'" in why
+    assert _names() == ["w0", "w1"]
+    assert cluster.join(2, "w2") == ("w2", "joined", ["w0", "w1", "w2"])
+
+
+def test_a_member_that_dies_is_lost_and_does_not_hold_up_who_joins_next(cluster):
+    assert cluster.join(1, "w1")[1] == "joined"
+    process = cluster.processes["w1"][0]
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(10)
+    with pytest.raises(PeerLostError):
+        rpc.rpc_sync("w1", f.sleep_and_return, args=(30,))
+    poll_until(lambda: _names() == ["w0"], 30, "w1 gone from the group")
+    assert cluster.join(2, "w2") == ("w2", "joined", ["w0", "w2"])
+    assert rpc.rpc_sync("w2", f.whoami) == "w2"
+
+
+def _static_join(init_method, results) -> None:
+    try:
+        rpc.init_rpc("s", rank=1, world_size=2,
+                     rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=5))
+        results.put(("joined",))
+    except Exception as exc:  # noqa: BLE001
+        results.put((type(exc).__name__, str(exc)))
+
+
+def test_a_static_worker_cannot_join_a_dynamic_group_and_init_rpc_needs_a_rank(cluster):
+    process = cluster.context.Process(target=_static_join, args=(cluster.init_method, cluster.results))
+    process.start()
+    assert cluster.next() == (
+        "RuntimeError", "RPC group mixes statically and dynamically initialized members which is not supported.")
+    process.join(30)
+    with pytest.raises(RuntimeError, match="already initialized"):
+        rpc.init_rpc("again", rank=3, rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=cluster.init_method))
+
+
+def test_init_rpc_without_world_size_needs_a_rank():
+    with pytest.raises(ValueError, match="rank parameter missing"):
+        rpc.init_rpc("w", rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}"))

@@ -1,0 +1,209 @@
+"""Dynamic membership: a group that workers join and leave while it runs (``init_rpc``
+without ``world_size``, as torch's TensorPipe agent allows; here on every transport).
+
+The group is an append-only log of events in torch's store: ``join`` (a member record, as
+the static rendezvous publishes one), ``leave`` (a graceful shutdown) and ``lost`` (a member
+some worker lost without a goodbye). Each event is written to the first free number with
+``compare_set``, so a number is taken only by publishing (the log has no gaps) and all
+workers see the events in one order. A worker that joins reads the events before its own to
+learn who is a member, publishes its own, and connects to those members; every member has a
+thread that follows the log (``watch``) and admits each new member (its credential, its
+address) or lets go of one that left, before the joiner's handshake can finish. With a
+cluster secret every event is signed (bound to its number), and one that is not is ignored
+with a warning; without one the store is the group's trust root for as long as the group
+lives (see rendezvous.py).
+
+A group is either static (``world_size`` given, rendezvous.py) or dynamic: torch refuses to
+mix them, and so does this.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+from .errors import RendezvousError
+from .rendezvous import DYNAMIC_KEY, MIXED, PREFIX, Member, _master_address, _open_store, _seal, _stores, _unseal
+
+log = logging.getLogger(__name__)
+
+KEY = DYNAMIC_KEY
+_FOREVER = timedelta(days=365)  # a watcher waits for the next event (our own leave ends it)
+
+
+class DynamicGroup:
+    """What ``init_rpc`` without ``world_size`` joins (see the module's doc). Used as the
+    agent's rendezvous: ``exchange`` joins; then ``watch`` follows the log."""
+
+    dynamic = True
+
+    def __init__(self, init_method: str, rank: int, timeout: float):
+        if rank < 0:
+            if init_method.startswith("env://"):
+                if "RANK" not in os.environ:
+                    raise ValueError("environment variable RANK expected: init_rpc without world_size needs a rank")
+                rank = int(os.environ["RANK"])
+            else:
+                raise ValueError("rank parameter missing: init_rpc without world_size joins a dynamic group by rank")
+        self.rank, self.timeout, self.init_method = rank, timeout, init_method
+        store_key = (init_method, rank, None, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+        if store_key not in _stores:
+            _stores[store_key] = _open_store(init_method, rank, None, timeout)
+        self.store = _stores[store_key]
+        if self.store.check([f"{PREFIX}/round/0"]):  # a static group's rendezvous
+            raise RuntimeError(MIXED)  # torch's words
+        self.master_addr = _master_address(init_method)
+        self.event = 0  # the number of our join event
+        self._secret: bytes | None = None
+        self._watcher: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def exchange(self, name: str, address: str, devices: dict | None = None, credential: str = "",
+                 mechanism: str = "", secret: bytes | None = None) -> list[Member]:
+        """Join: the members before us (read from the log) and ourselves, last. Refuses a
+        name or rank a member has, or a mechanism other than the group's."""
+        self._secret = secret
+        me = {"op": "join", "name": name, "rank": self.rank, "address": address, "devices": devices or {},
+              "credential": credential, "mechanism": mechanism}
+        members: dict[int, dict] = {}
+        number = 1
+        while True:  # read the log up to its end, then take the next number, unless taken meanwhile
+            while self.store.check([f"{KEY}/event/{number}"]):
+                event = self._read(number)
+                if event is not None:
+                    _apply(members, event)
+                number += 1
+            self._check_joining(members, name, mechanism)
+            if self._publish(number, me):
+                break
+        self.event = number
+        return [_member(record) for record in members.values()] + [_member(me)]
+
+    def _check_joining(self, members: dict[int, dict], name: str, mechanism: str) -> None:
+        for record in members.values():
+                if record["rank"] == self.rank:
+                    raise RendezvousError(f"rank {self.rank} is taken by member {record['name']!r} of the group")
+                if record["name"] == name:
+                    raise RendezvousError(f"worker name {name!r} is not unique: member {record['rank']} of the group has it")
+                if record.get("mechanism") != mechanism:
+                    raise RendezvousError(
+                        f"workers disagree on encryption (the group's {record.get('mechanism')!r}, ours {mechanism!r}): "
+                        "give every worker the same cluster_secret and encrypt options")
+
+    def watch(self, on_join: Callable[[Member], None], on_leave: Callable[[int, str], None]) -> None:
+        """Follow the log from after our join, on a thread of its own (with a store client of
+        its own: a client waits for one thing at a time)."""
+        self._watcher = threading.Thread(target=self._follow, args=(on_join, on_leave),
+                                         name=f"rpc-members-{self.rank}", daemon=True)
+        self._watcher.start()
+
+    def leave(self, op: str = "leave", rank: int | None = None) -> None:
+        """Publish that we (or, ``op`` "lost", member ``rank``) left; best effort: a store that is
+        gone (its host left first) is logged, not raised."""
+        try:
+            event = {"op": op, "rank": self.rank if rank is None else rank}
+            number = self.event + 1
+            while not self._publish(number, event):
+                number += 1
+        except Exception as exc:  # noqa: BLE001 - the group is going or gone
+            log.info("rank %d: could not publish %s of rank %s to the store: %s", self.rank, op, rank, exc)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    # ------------------------------------------------------------------------ the log
+
+    def _publish(self, number: int, event: dict) -> bool:
+        """Write ``event`` as number ``number`` unless that is taken: whether it was ours."""
+        key = f"{KEY}/event/{number}"
+        sealed = _seal(self._secret, key, json.dumps(event))
+        return self.store.compare_set(key, "", sealed) == sealed.encode()
+
+    def _read(self, number: int, store: dist.Store | None = None) -> dict | None:
+        """Published event ``number`` (None: forged or malformed, with a warning)."""
+        store = store or self.store
+        key = f"{KEY}/event/{number}"
+        try:
+            event = _unseal(self._secret, key, store.get(key))
+        except RendezvousError as exc:
+            log.warning("rank %d: %s; ignored", self.rank, exc)
+            return None
+        if not _well_formed(event):
+            log.warning("rank %d: malformed event %d of the group ignored: %.200r", self.rank, number, event)
+            return None
+        return event
+
+    def _follow(self, on_join: Callable[[Member], None], on_leave: Callable[[int, str], None]) -> None:
+        try:
+            store = _client(self.init_method, self.timeout)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("rank %d: cannot follow the group's membership: %s", self.rank, exc)
+            return
+        number = self.event + 1
+        while not self._stopping.is_set():
+            try:
+                store.wait([f"{KEY}/event/{number}"], _FOREVER)
+                event = self._read(number, store)
+            except Exception as exc:  # noqa: BLE001 - the store is gone (its host left)
+                if not self._stopping.is_set():
+                    log.info("rank %d: the group's store is gone (%s); membership is no longer followed",
+                             self.rank, exc)
+                return
+            number += 1
+            if event is None or (event["op"] == "join" and event["rank"] == self.rank):
+                continue
+            if event["op"] != "join" and event["rank"] == self.rank:
+                if event["op"] == "leave":
+                    return  # our own: we are gone
+                continue  # someone lost us for a while; we are still here
+            try:
+                if event["op"] == "join":
+                    on_join(_member(event))
+                else:
+                    on_leave(event["rank"], event["op"])
+            except Exception:  # noqa: BLE001 - one bad event must not end the following
+                log.exception("rank %d: applying event %d of the group failed", self.rank, number - 1)
+
+
+def _well_formed(event: Any) -> bool:
+    if not isinstance(event, dict) or event.get("op") not in ("join", "leave", "lost"):
+        return False
+    if type(event.get("rank")) is not int or event["rank"] < 0:
+        return False
+    return event["op"] != "join" or (isinstance(event.get("name"), str) and isinstance(event.get("address"), str))
+
+
+def _apply(members: dict[int, dict], event: dict) -> None:
+    if event["op"] == "join":
+        members[event["rank"]] = event
+    elif event["op"] in ("leave", "lost"):
+        members.pop(event["rank"], None)
+
+
+def _member(record: dict) -> Member:
+    return Member(record["name"], record["rank"], record["address"], record.get("devices") or {},
+                  record.get("credential", ""), record.get("mechanism", ""))
+
+
+def _client(init_method: str, timeout: float) -> dist.Store:
+    """A store client of its own for the watcher thread."""
+    url = urlparse(init_method)
+    if url.scheme == "file":
+        return dist.FileStore(url.path, -1)
+    if url.scheme == "env":
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    else:
+        host, port = str(url.hostname), int(url.port or 0)
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
+                         wait_for_workers=False, multi_tenant=True)
+
+
+def is_dynamic(rendezvous: Any) -> bool:
+    return getattr(rendezvous, "dynamic", False)
