@@ -9,18 +9,21 @@
 #
 #     [CPU_BENCH=1] bash tools/cuda_checks.sh [OUT_DIR]
 #
-# Uses the python3 that has torch with CUDA (or $PYTHON). Where it lacks pyzmq (the lent machines here),
-# bring the wheel in .whl/ (README, "Tests"); it is installed to /tmp/site.
+# Uses the python3 that has torch with CUDA (or $PYTHON). Where it lacks pyzmq or expecttest (the
+# lent machines here), bring their wheels in .whl/ (README, "Tests"); they go to /tmp/site.
 set -u -o pipefail
 py=${PYTHON:-python3}
 out=${1:-cuda-checks}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$py" -c "import zmq" 2>/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/pyzmq*.whl || exit 1
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+export PYTHONPATH="$PYTHONPATH:/tmp/site"
+for module in zmq:pyzmq expecttest:expecttest; do  # (expecttest: torch's test modules import it)
+    if ! "$py" -c "import ${module%%:*}" 2>/dev/null; then
+        "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+            .whl/"${module##*:}"*.whl || exit 1
+    fi
+done
 start=$(date +%s)
 step() { echo "[$(( $(date +%s) - start )) s] $*"; }
 status=0

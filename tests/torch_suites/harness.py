@@ -92,6 +92,11 @@ class ForkserverWorkers(MultiProcessTestCase):
         self._spawn_processes()
 
     def _spawn_processes(self) -> None:
+        if "Cuda" in type(self).__name__:
+            # torch's test modules initialize CUDA when they are imported (common_utils), and
+            # a process forked after that cannot use it: spawned, as torch's own.
+            self._start_processes(torch.multiprocessing.get_context("spawn").Process)
+            return
         context = torch.multiprocessing.get_context("forkserver")
         context.set_forkserver_preload([type(self).__module__])
         self._start_processes(context.Process)
