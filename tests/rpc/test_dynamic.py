@@ -25,11 +25,12 @@ pytestmark = pytest.mark.timeout(180)
 OPTIONS = {"rpc_timeout": 20, "heartbeat_interval": 0.2, "peer_timeout": 2.0}
 
 
-def _member(rank: int, name: str, init_method: str, commands, results) -> None:
+def _member(rank: int, name: str, init_method: str, commands, results, secret: str | None = None) -> None:
     """A worker that joins, reports what it sees, then runs the test's commands."""
     faulthandler.dump_traceback_later(50)  # where it is, should joining take longer than the test waits
     try:
-        rpc.init_rpc(name, rank=rank, rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, **OPTIONS))
+        options = rpc.ZmqRpcBackendOptions(init_method=init_method, cluster_secret=secret, **OPTIONS)
+        rpc.init_rpc(name, rank=rank, rpc_backend_options=options)
     except Exception as exc:  # noqa: BLE001 - the test looks at it
         results.put((name, "refused", f"{type(exc).__name__}: {exc}"))
         return
@@ -53,14 +54,16 @@ class _Cluster:
     """Worker processes, each with queues of its own: a worker killed while it holds a
     queue's lock would leave that queue locked for every other process."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: str | None = None) -> None:
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self.context = mp.get_context("spawn")
         self.processes: dict[str, tuple] = {}
+        self.secret = secret
 
-    def join(self, rank: int, name: str) -> tuple:
+    def join(self, rank: int, name: str, secret: str | None = None) -> tuple:
         commands, results = self.context.Queue(), self.context.Queue()
-        process = self.context.Process(target=_member, args=(rank, name, self.init_method, commands, results))
+        process = self.context.Process(target=_member, args=(rank, name, self.init_method, commands, results,
+                                                             secret or self.secret))
         process.start()
         self.processes[name] = (process, commands, results)
         return self.next(name)
@@ -87,10 +90,11 @@ class _Cluster:
                 process.kill()
 
 
-@pytest.fixture
-def cluster():
-    c = _Cluster()
-    rpc.init_rpc("w0", rank=0, rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=c.init_method, **OPTIONS))
+@pytest.fixture(params=[None], ids=["no secret"])
+def cluster(request):
+    c = _Cluster(request.param)
+    options = rpc.ZmqRpcBackendOptions(init_method=c.init_method, cluster_secret=c.secret, **OPTIONS)
+    rpc.init_rpc("w0", rank=0, rpc_backend_options=options)
     try:
         yield c
     finally:
@@ -167,3 +171,30 @@ def test_a_static_worker_cannot_join_a_dynamic_group_and_init_rpc_needs_a_rank(c
 def test_init_rpc_without_world_size_needs_a_rank():
     with pytest.raises(ValueError, match="rank parameter missing"):
         rpc.init_rpc("w", rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}"))
+
+
+SECRET = "a cluster secret of the test group"
+
+
+@pytest.mark.parametrize("cluster", [SECRET], ids=["secret"], indirect=True)
+def test_with_a_cluster_secret_a_forged_event_is_ignored_and_another_secret_cannot_join(cluster):
+    """Every event is signed; a worker that reads none signed with its secret refuses to join
+    (it would otherwise start a group of one)."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    assert cluster.join(1, "w1") == ("w1", "joined", ["w0", "w1"])
+    # A stranger who reaches the store writes a member of its own into the group's log.
+    store = dist.TCPStore("127.0.0.1", int(cluster.init_method.rsplit(":", 1)[1]), is_master=False,
+                          timeout=timedelta(seconds=10), wait_for_workers=False, multi_tenant=True)
+    forged = {"op": "join", "name": "intruder", "rank": 9, "address": "tcp://127.0.0.1:1", "credential": "x",
+              "mechanism": "curve"}
+    assert store.compare_set("zmqautograd/dynamic/event/3", "", json.dumps(forged)) == json.dumps(forged).encode()
+    assert cluster.tell("w1", "w0") == ("w1", "called", "w0")  # (the members read it meanwhile)
+    assert _names() == ["w0", "w1"]
+    name, outcome, why = cluster.join(2, "w2", secret="another secret, not the group's")
+    assert outcome == "refused" and "not signed with this group's cluster secret" in why
+    assert cluster.join(3, "w3") == ("w3", "joined", ["w0", "w1", "w3"])  # the group's secret: it is ignored
+    assert _names() == ["w0", "w1", "w3"]

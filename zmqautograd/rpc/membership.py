@@ -73,13 +73,23 @@ class DynamicGroup:
         me = {"op": "join", "name": name, "rank": self.rank, "address": address, "devices": devices or {},
               "credential": credential, "mechanism": mechanism}
         members: dict[int, dict] = {}
-        number = 1
+        number, verified, forged = 1, False, None
         while True:  # read the log up to its end, then take the next number, unless taken meanwhile
             while self.store.check([f"{KEY}/event/{number}"]):
-                event = self._read(number)
+                try:
+                    event = self._read(number, strict=True)
+                except RendezvousError as exc:  # forged, or signed with another secret
+                    event, forged = None, forged or exc
                 if event is not None:
+                    verified = True
                     _apply(members, event)
                 number += 1
+            if forged is not None and not verified:
+                # Not one event of the log is signed with our secret: it is not this worker's
+                # group (another secret), and joining it would start a group of one.
+                raise forged
+            if forged is not None:
+                log.warning("rank %d: %s; ignored", self.rank, forged)
             self._check_joining(members, name, mechanism)
             if self._publish(number, me):
                 break
@@ -88,14 +98,14 @@ class DynamicGroup:
 
     def _check_joining(self, members: dict[int, dict], name: str, mechanism: str) -> None:
         for record in members.values():
-                if record["rank"] == self.rank:
-                    raise RendezvousError(f"rank {self.rank} is taken by member {record['name']!r} of the group")
-                if record["name"] == name:
-                    raise RendezvousError(f"worker name {name!r} is not unique: member {record['rank']} of the group has it")
-                if record.get("mechanism") != mechanism:
-                    raise RendezvousError(
-                        f"workers disagree on encryption (the group's {record.get('mechanism')!r}, ours {mechanism!r}): "
-                        "give every worker the same cluster_secret and encrypt options")
+            if record["rank"] == self.rank:
+                raise RendezvousError(f"rank {self.rank} is taken by member {record['name']!r} of the group")
+            if record["name"] == name:
+                raise RendezvousError(f"worker name {name!r} is not unique: member {record['rank']} of the group has it")
+            if record.get("mechanism") != mechanism:
+                raise RendezvousError(
+                    f"workers disagree on encryption (the group's {record.get('mechanism')!r}, ours {mechanism!r}): "
+                    "give every worker the same cluster_secret and encrypt options")
 
     def watch(self, on_join: Callable[[Member], None], on_leave: Callable[[int, str], None]) -> None:
         """Follow the log from after our join, on a thread of its own (with a store client of
@@ -126,13 +136,16 @@ class DynamicGroup:
         sealed = _seal(self._secret, key, json.dumps(event))
         return self.store.compare_set(key, "", sealed) == sealed.encode()
 
-    def _read(self, number: int, store: dist.Store | None = None) -> dict | None:
-        """Published event ``number`` (None: forged or malformed, with a warning)."""
+    def _read(self, number: int, store: dist.Store | None = None, strict: bool = False) -> dict | None:
+        """Published event ``number`` (None: forged or malformed, with a warning; ``strict``:
+        raises the error of one not signed with our secret)."""
         store = store or self.store
         key = f"{KEY}/event/{number}"
         try:
             event = _unseal(self._secret, key, store.get(key))
         except RendezvousError as exc:
+            if strict:
+                raise
             log.warning("rank %d: %s; ignored", self.rank, exc)
             return None
         if not _well_formed(event):
