@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import gc
+from datetime import timedelta
 import threading
 import time
 import weakref
@@ -51,6 +52,7 @@ def test_get_worker_infos(group):
     assert agent.get_worker_info() == rpc.get_worker_info() and agent.get_worker_info("worker2").id == 2
     debug = agent.get_debug_info()
     assert debug["world_size"] == str(len(group.names)) and all(isinstance(v, str) for v in debug.values())
+    assert debug["agent.thread_pool_size"] == "4"  # torch's key: the threads asked for
     assert rpc.is_available() and dist_autograd.is_available()
 
 
@@ -166,6 +168,19 @@ def test_wrong_types_and_invalid_names():
     # Ported code that names TensorPipe's options and backend gets ours.
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=8, rpc_timeout=20)
     assert isinstance(options, rpc.ZmqRpcBackendOptions) and rpc.BackendType.TENSORPIPE is rpc.BackendType.ZMQ
+    # torch's TensorPipe-only options are taken (they choose nothing here); a value of another
+    # type does not construct the options, as torch's C++ class does not; another backend's
+    # options are refused with torch's words.
+    rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
+    for bad in ({"rpc_timeout": timedelta(seconds=5)}, {"num_worker_threads": 2.5}, {"init_method": None}):
+        with pytest.raises(TypeError, match="incompatible constructor arguments"):
+            rpc.TensorPipeRpcBackendOptions(**bad)
+
+    class OtherBackendOptions(rpc.RpcBackendOptions):
+        pass
+
+    with pytest.raises(TypeError, match="`rpc_backend_options` must be a `TensorPipeRpcBackendOptions`"):
+        rpc.init_rpc("w0", rank=0, world_size=1, rpc_backend_options=OtherBackendOptions())
 
 
 def test_python_udf_kwargs_and_structures(group):
