@@ -254,9 +254,13 @@ def test_rpc_async_answers_completed_by_the_io_thread_never_run_user_callbacks_t
     assert pickled.wait() == f.Point(3, 4)
     with pytest.raises(ValueError, match="inline"):
         failing.wait()
+    # collect_all's future completes from theirs: a callback on it runs off the I/O thread too.
+    collected = torch.futures.collect_all([rpc.rpc_async("worker2", torch.add, args=(torch.ones(2), i)) for i in range(8)])
+    collected.add_done_callback(note)
+    assert len(collected.wait()) == 8
     with lock:
         seen = list(threads)
-    assert len(seen) == 20 and not any(name.startswith("zmq-io") for name in seen), seen
+    assert len(seen) == 21 and not any(name.startswith("zmq-io") for name in seen), seen
 
 
 def test_remote_exception_keeps_type_names_worker_and_carries_traceback(group):

@@ -233,9 +233,11 @@ def _any_ours(futures: Any) -> bool:
     return isinstance(futures, (list, tuple)) and any(isinstance(f, Future) for f in futures)
 
 
-def _first_error_or_all(futures: list, settle: Callable[[BaseException | None], None]) -> None:
+def _first_error_or_all(futures: list, settle: Callable[[BaseException | None], None], observed: bool) -> None:
     """Call ``settle(error)`` at the first future that fails, or ``settle(None)`` once all
-    are done, exactly once. C++ callbacks: the futures of rpc_async stay unobserved (calls.py)."""
+    are done, exactly once. ``observed`` False: only where ``settle`` runs no user code, by a
+    callback that leaves an rpc_async future unobserved (calls.py: completed where its answer
+    arrives, maybe on the I/O thread)."""
     state = {"remaining": len(futures), "settled": False}
     lock = _allocate_lock()
 
@@ -251,7 +253,10 @@ def _first_error_or_all(futures: list, settle: Callable[[BaseException | None], 
     if not futures:
         settle(None)
     for future in futures:
-        torch._C.Future.add_done_callback(future, one_done)
+        if observed:
+            future.add_done_callback(one_done)
+        else:
+            torch._C.Future.add_done_callback(future, one_done)
 
 
 def wait_all(futures: list) -> list:
@@ -265,7 +270,7 @@ def wait_all(futures: list) -> list:
         first.append(error)
         ended.set()
 
-    _first_error_or_all(list(futures), settle)
+    _first_error_or_all(list(futures), settle, observed=False)  # (settle only wakes this thread)
     ended.wait()
     error = first.pop()
     if error is not None:
@@ -290,7 +295,7 @@ def collect_all(futures: list) -> torch.futures.Future:
         else:
             collected.set_result(futures)
 
-    _first_error_or_all(futures, settle)
+    _first_error_or_all(futures, settle, observed=True)  # (the user's callbacks on ``collected`` run in settle)
     return collected
 
 
