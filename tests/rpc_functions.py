@@ -331,3 +331,8 @@ def value_of_serialized_rref(data):
 @torch.jit.script
 def raise_in_script(message: str) -> torch.Tensor:
     raise ValueError(message)
+
+
+def raise_error_of(kind, args):
+    """Raise ``kind(*args)`` (a class, sent by reference)."""
+    raise kind(*args)

@@ -1139,3 +1139,23 @@ def test_wait_all_raises_the_first_remote_error_while_another_call_still_runs(gr
     finally:
         rpc.rpc_sync("worker1", f.open_gate)
     assert blocked.wait() == 7
+
+
+def test_every_error_type_of_ours_raised_remotely_is_rebuilt_with_its_type_and_message(group):
+    from zmqautograd.transport import errors as transport_errors
+
+    cases = [(cls, ("3", f"{cls.__name__} text")) for cls in (
+        transport_errors.PeerLostError, transport_errors.PeerDepartedError, transport_errors.UnknownPeerError,
+        transport_errors.InjectedFaultError)]
+    cases += [(cls, (f"{cls.__name__} text",)) for cls in (
+        transport_errors.TransportError, transport_errors.LocalProtocolError, transport_errors.RemoteProtocolError,
+        transport_errors.MessageTooLargeError, transport_errors.EndpointClosedError, transport_errors.DeviceMapError,
+        rpc.RpcError, rpc.RpcTimeoutError, rpc.SerializationError, rpc.RendezvousError, rpc.OperatorArgumentsError,
+        rpc.ScriptFunctionError)]
+    for cls, args in cases:
+        with pytest.raises(cls) as caught:
+            rpc.rpc_sync("worker1", f.raise_error_of, args=(cls, args))
+        assert type(caught.value) is cls and f"{cls.__name__} text" in str(caught.value)
+        assert "On WorkerInfo(id=1, name=worker1)" in str(caught.value)
+        if len(args) == 2:
+            assert caught.value.peer == "3"

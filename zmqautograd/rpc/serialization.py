@@ -27,6 +27,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from zmqautograd.transport.codec import Codec, Extension
+from zmqautograd.transport.errors import PeerError
 
 from .errors import RemoteException, SerializationError
 from .futures import traceback_text
@@ -388,12 +389,16 @@ def resolve_function(function: Any, policy: CallablePolicy = UNRESTRICTED) -> Ca
 
 def encode_exception(exc: BaseException) -> dict:
     kind = type(exc)
-    return {
+    info = {
         "module": kind.__module__,
         "type": kind.__qualname__,
         "message": str(exc),
         "traceback": traceback_text(exc),
     }
+    peer = getattr(exc, "peer", None)
+    if isinstance(exc, PeerError) and isinstance(peer, str):
+        info["peer"] = peer  # (our peer errors are built from the peer and a message)
+    return info
 
 
 def decode_exception(info: dict, where: str) -> BaseException:
@@ -409,6 +414,9 @@ def decode_exception(info: dict, where: str) -> BaseException:
     else:
         if isinstance(kind, type) and issubclass(kind, Exception):
             try:
+                peer = info.get("peer")
+                if issubclass(kind, PeerError) and isinstance(peer, str):
+                    return kind(peer, where_and_what + remote_traceback)
                 return kind(where_and_what + remote_traceback)
             except Exception as exc:  # noqa: BLE001 - its constructor wants other arguments
                 reason = f"its constructor does not take a message ({exc})"
