@@ -256,8 +256,9 @@ def test_rpc_async_answers_completed_by_the_io_thread_never_run_user_callbacks_t
         failing.wait()
     # collect_all's future completes from theirs: a callback on it runs off the I/O thread too.
     collected = torch.futures.collect_all([rpc.rpc_async("worker2", torch.add, args=(torch.ones(2), i)) for i in range(8)])
-    collected.add_done_callback(note)
-    assert len(collected.wait()) == 8
+    noted = threading.Event()  # (a future's waiters may wake before its callbacks have run)
+    collected.add_done_callback(lambda fut: (note(fut), noted.set()))
+    assert len(collected.wait()) == 8 and noted.wait(30)
     with lock:
         seen = list(threads)
     assert len(seen) == 21 and not any(name.startswith("zmq-io") for name in seen), seen
