@@ -300,7 +300,7 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
             return rref
         sent.add_done_callback(settled)
         if profiled is not None:
-            rref._profiling_future = sent
+            rref._set_profiling_future(sent)
         return rref
     rref = RRef._user(context, rref_id, info.id, fork_id, type_name)
     try:
@@ -311,7 +311,7 @@ def remote(to: Any, func: Callable, args: Any = None, kwargs: Any = None, timeou
         return rref
     registered.add_done_callback(rref._confirm_if_ok)
     if profiled is not None:
-        rref._profiling_future = registered
+        rref._set_profiling_future(registered)
     return rref
 
 

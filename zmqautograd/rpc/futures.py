@@ -199,20 +199,34 @@ def outcome_of(future: Any) -> tuple[Any, BaseException | None]:
 def when_all_done(futures: list, callback: Callable[[], Any]) -> None:
     """Run ``callback()`` once every future of ``futures`` is done, failed ones included (on
     the thread that completes the last; at once when all are done already)."""
-    remaining = [len(futures)]
+    _settle_once(futures, lambda _: callback(), first_error=False, observed=True)
+
+
+def _settle_once(futures: list, settle: Callable[[BaseException | None], None], first_error: bool,
+                 observed: bool) -> None:
+    """Call ``settle`` exactly once: with the error of the first future that fails where
+    ``first_error``, else (or if none fails) with None once all are done. ``observed`` False:
+    only where ``settle`` runs no user code, by a callback that leaves an rpc_async future
+    unobserved (calls.py: completed where its answer arrives, maybe on the I/O thread)."""
+    state = {"remaining": len(futures), "settled": False}
     lock = _allocate_lock()
 
-    def one_done(_: Any) -> None:
+    def one_done(done: Any) -> None:
+        error = outcome_of(done)[1] if first_error else None
         with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            callback()
+            state["remaining"] -= 1
+            if state["settled"] or (error is None and state["remaining"] > 0):
+                return
+            state["settled"] = True
+        settle(error)
 
     if not futures:
-        callback()
+        settle(None)
     for future in futures:
-        future.add_done_callback(one_done)
+        if observed:
+            future.add_done_callback(one_done)
+        else:
+            torch._C.Future.add_done_callback(future, one_done)
 
 
 # ------------------------------------------------------------- torch.futures.wait_all et al.
@@ -233,32 +247,6 @@ def _any_ours(futures: Any) -> bool:
     return isinstance(futures, (list, tuple)) and any(isinstance(f, Future) for f in futures)
 
 
-def _first_error_or_all(futures: list, settle: Callable[[BaseException | None], None], observed: bool) -> None:
-    """Call ``settle(error)`` at the first future that fails, or ``settle(None)`` once all
-    are done, exactly once. ``observed`` False: only where ``settle`` runs no user code, by a
-    callback that leaves an rpc_async future unobserved (calls.py: completed where its answer
-    arrives, maybe on the I/O thread)."""
-    state = {"remaining": len(futures), "settled": False}
-    lock = _allocate_lock()
-
-    def one_done(done: Any) -> None:
-        _, error = outcome_of(done)
-        with lock:
-            state["remaining"] -= 1
-            if state["settled"] or (error is None and state["remaining"] > 0):
-                return
-            state["settled"] = True
-        settle(error)
-
-    if not futures:
-        settle(None)
-    for future in futures:
-        if observed:
-            future.add_done_callback(one_done)
-        else:
-            torch._C.Future.add_done_callback(future, one_done)
-
-
 def wait_all(futures: list) -> list:
     """``torch.futures.wait_all``, exiting at the first error (see above)."""
     if not _any_ours(futures):
@@ -270,7 +258,7 @@ def wait_all(futures: list) -> list:
         first.append(error)
         ended.set()
 
-    _first_error_or_all(list(futures), settle, observed=False)  # (settle only wakes this thread)
+    _settle_once(list(futures), settle, first_error=True, observed=False)  # (settle only wakes this thread)
     ended.wait()
     error = first.pop()
     if error is not None:
@@ -295,7 +283,7 @@ def collect_all(futures: list) -> torch.futures.Future:
         else:
             collected.set_result(futures)
 
-    _first_error_or_all(futures, settle, observed=True)  # (the user's callbacks on ``collected`` run in settle)
+    _settle_once(futures, settle, first_error=True, observed=True)  # (the user's callbacks on ``collected`` run in settle)
     return collected
 
 
