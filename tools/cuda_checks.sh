@@ -44,7 +44,8 @@ for run in 1 2 3; do
 done
 
 step "torch's own CUDA test classes, verbatim (tests/torch_suites)"
-timeout 300 "$py" -m pytest -q -p no:cacheprovider -rA tests/torch_suites/test_dist_autograd_test.py \
+timeout 300 "$py" -m pytest -q -p no:cacheprovider -rA --timeout 120 tests/torch_suites/test_dist_autograd_test.py \
+    tests/torch_suites/test_remote_module_test.py tests/torch_suites/test_ddp_under_dist_autograd_test.py \
     -k "Cuda" > "$out/torch_cuda_suites.txt" 2>&1 || status=1
 grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$out/torch_cuda_suites.txt" | tail -30
 

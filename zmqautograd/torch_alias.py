@@ -52,14 +52,38 @@ def install_as_torch_rpc() -> None:
 
     from zmqautograd.optim import DistributedOptimizer
 
+    replaced = {}
     for torch_name, ours in _MODULES.items():
         module = importlib.import_module(f"zmqautograd.{ours}")
+        if sys.modules.get(torch_name) is not None:
+            replaced[id(sys.modules[torch_name])] = (sys.modules[torch_name], module)
         sys.modules[torch_name] = module
         parent, _, child = torch_name.rpartition(".")
         setattr(sys.modules[parent], child, module)
+    _rebind_torch_modules(replaced)
     torch.distributed.optim.DistributedOptimizer = DistributedOptimizer  # type: ignore[misc,assignment]
     torch.distributed.optim.optimizer.DistributedOptimizer = DistributedOptimizer  # type: ignore[misc,assignment]
     _installed = True
+
+
+def _rebind_torch_modules(replaced: dict) -> None:
+    """torch's modules imported already (``torch.distributed.optim`` imports
+    ``torch.distributed.nn``'s RemoteModule, which binds ``torch.distributed.rpc`` as ``rpc``),
+    and the modules RemoteModule generates, refer to ours from now on: a module-level name
+    bound to one of the replaced modules is rebound. torch's own RPC and autograd packages
+    keep theirs (they are torch's implementation, which ours does not use)."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name.startswith("torch.") or name.startswith("_remote_module_")):
+            continue
+        if name.startswith(("torch.distributed.rpc.", "torch.distributed.autograd.")):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for key, value in list(namespace.items()):
+            found = replaced.get(id(value))
+            if found is not None and found[0] is value:
+                namespace[key] = found[1]
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):

@@ -17,12 +17,15 @@ from .api import (
     context,
     get_gradients,
 )
+from . import ddp
 from .context import DistAutogradContext
 from .hooks import AutogradHooks
 
 # Every agent started from now on records into distributed autograd (as torch's
 # dist_autograd._init when RPC starts).
 install_call_hooks(AutogradHooks)
+# DistributedDataParallel's reducer averages the gradients of a pass over its parameters.
+ddp.install()
 
 
 def is_available() -> bool:

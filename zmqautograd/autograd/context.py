@@ -163,6 +163,11 @@ class DistAutogradContext:
             else:
                 self._grads[variable] = add_gradients(old, grad)
 
+    def set_grad(self, variable: torch.Tensor, grad: torch.Tensor) -> None:
+        """Make ``grad`` ``variable``'s gradient in this context (what DDP's reducer wrote)."""
+        with self._lock:
+            self._grads[variable] = grad.detach() if grad.requires_grad else grad
+
     def gradients(self) -> dict[torch.Tensor, torch.Tensor]:
         with self._lock:
             return dict(self._grads)

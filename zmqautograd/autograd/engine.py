@@ -55,6 +55,7 @@ import torch
 from .. import timers
 from ..rpc.errors import RpcError
 from ..rpc.futures import Outcome
+from . import ddp
 from .context import DistAutogradContext
 from .functions import (
     RecvInfo,
@@ -124,6 +125,17 @@ class Pass:
         self._suppressed = frozenset(id(hooks) for hooks in self._held_leaves.values()) if self._held_leaves else _NONE
         self._exit_waiting = plan.recv_counts.copy()
         self._remaining = len(plan.groups) + len(self._exit_waiting)
+        # Parameters of DistributedDataParallel modules (most passes: none): their gradients
+        # wait here until every group that feeds one ran, then DDP's reducer runs over them
+        # (ddp.py), one more step of the pass, and its hooks instead of the engine's.
+        self._ddp = ddp.leaves_of_ddp(plan.leaves)
+        if self._ddp:
+            self._ddp_groups = frozenset(g for node in self._ddp for g in plan.exits[node].feeders)
+            self._ddp_waiting = len(self._ddp_groups)
+            self._ddp_grads: dict[Any, torch.Tensor] = {}
+            self._remaining += 1
+            for node in self._ddp:
+                self._hook_waiting.pop(node, None)
         self._outstanding = 0
         self._error: BaseException | None = None
         # The worker whose gradient request started this pass here (None on the originator):
@@ -285,6 +297,26 @@ class Pass:
             ready.extend(more)
             for node in fire:
                 self._fire_recv(node)
+            if self._ddp and index in self._ddp_groups:
+                self._ddp_group_ran()
+
+    def _ddp_group_ran(self) -> None:
+        """A group that feeds DDP parameters ran; after the last, DDP's reducer runs (after
+        the group's recv functions fired: their gradients need not wait for its all-reduce)."""
+        with self._lock:
+            self._ddp_waiting -= 1
+            if self._ddp_waiting:
+                return
+            grads, self._ddp_grads = self._ddp_grads, {}
+        if grads:
+            try:
+                ddp.reduce_into_context(self.context, grads, self._ddp, self._held_leaves)
+            except BaseException as exc:  # noqa: BLE001
+                self.fail(exc)
+                return
+        with self._lock:
+            self._remaining -= 1
+        self._maybe_finish()
 
     def _run_group(self, index: int) -> tuple[list[int], list]:
         group = self.plan.groups[index]
@@ -310,6 +342,9 @@ class Pass:
                 if grad is None:
                     continue
                 if leaf:
+                    if self._ddp and target in self._ddp:
+                        self._add(self._ddp_grads, target, grad)
+                        continue
                     if held and target in held:
                         continue  # its part waits for the others (_leaves_due)
                     # Outside the lock would be nicer; the context has its own lock and

@@ -280,6 +280,7 @@ class Plan:
     def _aggregate(self, leaves: set) -> None:
         """From the groups and exits: the roots' direct exits and what passes count down."""
         exits, groups = self.exits, self.groups
+        self.leaves = leaves
         for key, edges in self.roots.items():
             for node, _ in edges:
                 if node in exits:

@@ -11,6 +11,7 @@ from .api import (
     _get_debug_info,
     _get_rpc_timeout,
     get_rpc_timeout,
+    _is_current_rpc_agent_set,
     _is_initialized,
     _rref_context_get_debug_info,
     _set_rpc_timeout,
@@ -43,9 +44,11 @@ from .options import (
 from .profiling import _server_process_global_profile
 from .rref import RRef
 
+PyRRef = RRef  # torch's name for the RRef class its C++ agent makes (torch's RemoteModule uses it)
+
 __all__ = [
     "constants", "functions", "WorkerInfo", "get_rpc_timeout", "RpcBackendOptions", "get_worker_info", "init_rpc", "remote", "RRef", "rpc_async", "rpc_sync", "shutdown",
-    "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized", "_get_current_rpc_agent", "is_available",
+    "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized", "_get_current_rpc_agent", "_is_current_rpc_agent_set", "is_available", "PyRRef",
     "_get_debug_info", "_rref_context_get_debug_info",
     "OperatorArgumentsError", "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
     "ScriptFunctionError", "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",

@@ -101,7 +101,8 @@ class Agent(Calling, Answers, Serving):
         self.rrefs = RRefContext(self)
         # What the layers above add to calls (distributed autograd: rpc/hooks.py).
         self.hooks: CallHooks = make_call_hooks(self)
-        self.codec.add_extension(Extension(EXT_RREF, RRef, self.rrefs.encode, self.rrefs.decode))
+        # RRefs nested in pickled objects travel the same way, forked for the receiver.
+        self.codec.add_extension(Extension(EXT_RREF, RRef, self.rrefs.encode, self.rrefs.decode), in_pickles=True)
         self.endpoint = Endpoint(
             str(self.rank),
             f"tcp://{host}:0",
@@ -308,6 +309,12 @@ class Agent(Calling, Answers, Serving):
     def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
         """As torch's agents: this worker's info, or the named worker's."""
         return self.info if worker_name is None else self.worker_info(worker_name)
+
+    def _get_device_map(self, to: Any) -> dict[torch.device, torch.device]:
+        """torch's ``RpcAgent._get_device_map(WorkerInfo)``: this worker's device map for
+        tensors sent to ``to`` (its devices -> ``to``'s); empty when none is set."""
+        name = self.worker_info(to).name
+        return dict((self.options.device_maps or {}).get(name, {}))
 
     def get_worker_infos(self) -> list[WorkerInfo]:
         """Every worker of the group, by id (torch's ``RpcAgent.get_worker_infos``)."""

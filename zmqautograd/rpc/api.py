@@ -356,3 +356,6 @@ _get_rpc_timeout = get_rpc_timeout
 
 def _is_initialized() -> bool:
     return _agent is not None
+
+
+_is_current_rpc_agent_set = _is_initialized  # torch's name (its RemoteModule checks it)

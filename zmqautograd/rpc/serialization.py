@@ -17,6 +17,7 @@ marked with :func:`protocol_function`, are always allowed.
 
 from __future__ import annotations
 
+import copyreg
 import importlib
 import io
 import pickle
@@ -57,6 +58,7 @@ _PROTOCOL_FUNCTIONS = frozenset({
     ("zmqautograd.optim.optimizer", "_new_local_optimizer"),
     ("zmqautograd.rpc.agent", "_arrive_at_shutdown"),
     ("zmqautograd.rpc.profiling", "_run_profiled"),
+    *(("zmqautograd.nn", name) for name in ("_create_module", "_remote_forward", "_param_rrefs")),
     *(("zmqautograd.rpc.rref_owner", name) for name in (
         "_backward_on_owner", "_call_method", "_child_accept", "_delete_fork", "_fetch", "_fork_request",
         "_owned_count", "_run_remote", "_rref_typeof_on_owner")),
@@ -221,41 +223,76 @@ def _find_reference(function: Callable) -> tuple[str, str] | None:
 
 
 class _OutOfBandPickler(pickle.Pickler):
-    def __init__(self, stream: io.BytesIO, tensors: list):
+    """Tensors out of band (by index into ``tensors``); objects of the types in ``carried``
+    (RRefs) as that extension's encoding, so they travel with their protocol (an RRef is
+    forked for the receiver) wherever they are nested; the class reducers registered with
+    torch's RPC pickler (``_internal_rpc_pickler._register_reducer``: torch's RemoteModule)
+    apply, as they do in torch's."""
+
+    def __init__(self, stream: io.BytesIO, tensors: list, carried: dict[type, Extension]):
         super().__init__(stream, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors = tensors
+        self.carried = carried
+        reducers = _class_reducers_now()
+        if reducers:
+            self.dispatch_table = {**copyreg.dispatch_table, **reducers}
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             self.tensors.append(obj)
             return len(self.tensors) - 1
+        extension = self.carried.get(type(obj)) if self.carried else None
+        if extension is not None:
+            return (extension.code, extension.encode(obj))
         return None
 
 
+_class_reducers: dict[type, Callable] = {}
+
+
+def register_reducer(cls: type, reducer: Callable) -> None:
+    """Pickle objects of exactly ``cls`` with ``reducer`` (as ``copyreg``) when they travel in
+    RPC arguments and results, not elsewhere (torch's ``_internal_rpc_pickler._register_reducer``)."""
+    _class_reducers[cls] = reducer
+
+
+def _class_reducers_now() -> dict:
+    """Ours and those registered with torch's RPC pickler (torch's RemoteModule's)."""
+    internal = sys.modules.get("torch.distributed.rpc.internal")
+    pickler = getattr(internal, "_internal_rpc_pickler", None)
+    torch_reducers = getattr(pickler, "_class_reducer_dict", None)
+    if isinstance(torch_reducers, dict) and torch_reducers:
+        return {**torch_reducers, **_class_reducers}
+    return _class_reducers
+
+
 class _OutOfBandUnpickler(pickle.Unpickler):
-    def __init__(self, stream: io.BytesIO, tensors: list):
+    def __init__(self, stream: io.BytesIO, tensors: list, carried: dict[int, Extension]):
         super().__init__(stream)
         self.tensors = tensors
+        self.carried = carried
 
     def persistent_load(self, pid: Any) -> Any:
+        if type(pid) is tuple and len(pid) == 2 and pid[0] in self.carried:
+            return self.carried[pid[0]].decode(pid[1])
         if type(pid) is not int or not 0 <= pid < len(self.tensors):
-            raise pickle.UnpicklingError(f"invalid tensor reference {pid!r}")
+            raise pickle.UnpicklingError(f"invalid persistent reference {pid!r:.80}")
         return self.tensors[pid]
 
 
-def pickle_out_of_band(obj: Any) -> list:
+def pickle_out_of_band(obj: Any, carried: dict[type, Extension] | None = None) -> list:
     tensors: list = []
     stream = io.BytesIO()
     try:
-        _OutOfBandPickler(stream, tensors).dump(obj)
+        _OutOfBandPickler(stream, tensors, carried or {}).dump(obj)
     except Exception as exc:
         raise SerializationError(f"cannot serialize {type(obj).__qualname__}: {exc}") from exc
     return [stream.getvalue(), tensors]
 
 
-def unpickle_out_of_band(value: Any) -> Any:
+def unpickle_out_of_band(value: Any, carried: dict[int, Extension] | None = None) -> Any:
     data, tensors = value
-    return _OutOfBandUnpickler(io.BytesIO(data), tensors).load()
+    return _OutOfBandUnpickler(io.BytesIO(data), tensors, carried or {}).load()
 
 
 class RpcCodec(Codec):
@@ -277,6 +314,17 @@ class RpcCodec(Codec):
         # name may be rebound, and resolving one is a dict lookup and a getattr.
         named = Extension(EXT_GLOBAL, _Named, lambda n: n.reference, self._load_global)
         super().__init__(extensions=[pickled, functions, named], fallback=self._fallback, **kwargs)
+        # Extension types that pickled objects may hold too (RRefs): by type and by code.
+        self._carried_types: dict[type, Extension] = {}
+        self._carried_codes: dict[int, Extension] = {}
+
+    def add_extension(self, ext: Extension, in_pickles: bool = False) -> None:
+        """As the codec's; ``in_pickles``: objects of ``ext.type`` nested in a pickled
+        object travel as this extension's encoding too (not through their own pickling)."""
+        super().add_extension(ext)
+        if in_pickles:
+            self._carried_types[ext.type] = ext
+            self._carried_codes[ext.code] = ext
 
     def _fallback(self, obj: Any) -> tuple[Extension, Any]:
         if type(obj) in _TORCH_CONSTANT_KINDS:
@@ -289,12 +337,12 @@ class RpcCodec(Codec):
             raise SerializationError(
                 f"cannot send an object of type {type(obj).__qualname__} without pickle, and allow_pickle is False"
             )
-        return self._by_code[EXT_PICKLE], pickle_out_of_band(obj)
+        return self._by_code[EXT_PICKLE], pickle_out_of_band(obj, self._carried_types)
 
     def _load_pickle(self, value: Any) -> Any:
         if not self.accept_pickle:
             raise SerializationError(f"refused a pickled payload: {self.refusal}")
-        return unpickle_out_of_band(value)
+        return unpickle_out_of_band(value, self._carried_codes)
 
     def _load_global(self, value: Any) -> Any:
         return _load_global(value, self.policy)
