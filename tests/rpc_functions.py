@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -336,3 +337,44 @@ def raise_in_script(message: str) -> torch.Tensor:
 def raise_error_of(kind, args):
     """Raise ``kind(*args)`` (a class, sent by reference)."""
     raise kind(*args)
+
+
+# ------------------------------------------------------------- RRefs nested in objects
+
+
+@dataclasses.dataclass
+class Holder:
+    """A user object that holds RRefs (pickled, with them inside)."""
+
+    name: str
+    refs: dict
+
+
+class Box:
+    def __init__(self, inner):
+        self.inner = inner
+
+
+def values_of_nested(holder):
+    """Resolve every RRef nested in ``holder`` (a Holder of a Box of a list of RRefs)."""
+    return {key: [(r.owner_name(), r.is_owner(), r.to_here()) for r in box.inner] for key, box in holder.refs.items()}
+
+
+def nested_rrefs_of_own_values(count):
+    """A result holding RRefs to values this worker owns (made here, forked to the caller)."""
+    return Holder("made", {"box": Box([rpc.RRef(torch.full((2,), float(i))) for i in range(count)])})
+
+
+def pass_nested_on(holder, target):
+    """Send what arrived on to a third worker, still nested."""
+    return rpc.rpc_sync(target, values_of_nested, args=(holder,))
+
+
+def remote_module_forward(remote_module, x):
+    """A RemoteModule that arrived in a call, used here."""
+    return remote_module.forward(x)
+
+
+class NotAModule:
+    def __init__(self, *args, **kwargs):
+        pass
