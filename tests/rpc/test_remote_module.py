@@ -48,7 +48,7 @@ def test_training_through_remote_parameters_matches_local_autograd(group):
     reference = remote.module_rref.to_here()  # a local copy, trained with local autograd
     local_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     optimizer = DistributedOptimizer(torch.optim.SGD, remote.remote_parameters(), lr=0.1)
-    for step in range(5):
+    for _ in range(5):
         x, y = torch.randn(8, 5), torch.randn(8, 1)
         with dist_autograd.context() as context_id:
             loss = nn.functional.mse_loss(remote(x), y)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from . import port
 from .functions import make_suppressible, run_tensor_hooks, suppressing, tensor_hooks_of
 
 _modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # DDP modules seen in a forward
@@ -126,7 +127,25 @@ def reduce_into_context(context: Any, grads: dict, modules: dict, held: dict) ->
         by_module.setdefault(modules[node], []).append((node.variable, grad))
     for module, roots in by_module.items():
         with _locks[module]:
-            _reduce_module(context, module, roots)
+            try:
+                _reduce_module(context, module, roots)
+            except RuntimeError as exc:
+                raise RuntimeError(f"DistributedDataParallel's reduction failed on this worker ({_suspects()}): {exc}") from exc
+
+
+# How long a failed reduction waits for the RPC layer to name a lost worker: a killed process
+# breaks DDP's collective and our connections to it at the same moment.
+LOSS_NOTICE_SECONDS = 2.0
+
+
+def _suspects() -> str:
+    try:
+        lost = port.current().hooks.lost_workers(wait=LOSS_NOTICE_SECONDS)
+    except Exception:  # noqa: BLE001 - no agent: nothing to name
+        lost = []
+    if lost:
+        return f"lost worker(s): {', '.join(lost)}"
+    return "no RPC worker was lost: a member of its process group failed, hung past the group's timeout, or erred"
 
 
 def _reduce_module(context: Any, module: Any, roots: list) -> None:

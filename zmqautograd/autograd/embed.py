@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import types
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -218,6 +219,9 @@ class EmbeddedPort:
 
     def is_lost(self, worker: int) -> bool:
         return worker in self._lost
+
+    def worker_info(self, to: Any) -> Any:
+        return types.SimpleNamespace(name=f"worker {to}")
 
     def call(self, to: int, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
              message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,

@@ -9,6 +9,7 @@ import, so every agent started afterwards has them (as torch's ``dist_autograd._
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from zmqautograd.transport import Message, MessageType, PeerLostError
@@ -43,6 +44,8 @@ class AutogradHooks:
         self.agent = agent
         self.contexts = ContextContainer(agent.rank)
         self._local = self.contexts._local  # the current context, per thread (served calls switch it)
+        self._losses = threading.Condition()
+        self._lost: list[str] = []  # the workers lost so far, by name
 
     # ------------------------------------------------------------------ calls we make
 
@@ -174,6 +177,9 @@ class AutogradHooks:
         """Passes waiting for that worker's report fail; contexts it created here can never be
         released by it any more, nor those only lost workers could still release."""
         name = str(peer)
+        with self._losses:
+            self._lost.append(self._name_of(peer))
+            self._losses.notify_all()
         self.contexts.peer_lost(peer, error)
         orphans = self.contexts.release_created_by(peer, PeerLostError(name, f"creator lost: {error}"))
         if orphans:
@@ -182,6 +188,18 @@ class AutogradHooks:
         stranded = self.contexts.release_unreachable(is_lost, PeerLostError(name, f"released: {error}"))
         if stranded:
             log.warning("%s: released %d autograd context(s) that only lost workers reached", self.agent.info, stranded)
+
+    def _name_of(self, peer: int) -> str:
+        try:
+            return str(self.agent.worker_info(peer).name)
+        except Exception:  # noqa: BLE001 - a worker the group no longer lists
+            return f"rank {peer}"
+
+    def lost_workers(self, wait: float = 0.0) -> list[str]:
+        """The workers lost so far; waits up to ``wait`` seconds for a first one."""
+        with self._losses:
+            self._losses.wait_for(lambda: bool(self._lost), timeout=wait)
+            return list(self._lost)
 
     def flush(self) -> None:
         self.contexts.cleanups.flush()  # context releases waiting for their batch

@@ -75,6 +75,10 @@ class AgentPort(Protocol):
         """Whether ``worker`` is gone for good (its passes and contexts are failed)."""
         ...
 
+    def worker_info(self, to: Any) -> Any:
+        """The worker ``to`` (a rank), with its ``name`` (for errors that name it)."""
+        ...
+
     def call(self, to: int, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
              message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,
              placement: Any = None, posted: tuple[Post, OnAnswer] | None = None) -> Any:
