@@ -85,6 +85,44 @@ def trainer_dies(rank: int, rpc_port: int, pg_port: int) -> dict:
     return {"error": None}
 
 
+def variant(rank: int, rpc_port: int, pg_port: int, which: int) -> dict:
+    """Two trainers, one DDP configuration (``VARIANTS[which]``), 3 steps: the gradients a
+    dist autograd backward leaves in the context, against those of the same DDP
+    configuration on a copy of the model with local autograd (``.grad``), same process group."""
+    import copy
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    name = VARIANTS[which]
+    _start(rank, 2, rpc_port, pg_port)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    reference = copy.deepcopy(model)
+    options = {"gradient_as_bucket_view": name == "gradient_as_bucket_view",
+               "bucket_cap_mb": 1e-5 if name == "small_buckets" else 25}  # small: one bucket per parameter
+    ours, theirs = DDP(model, **options), DDP(reference, **options)
+    if name == "fp16_comm_hook":
+        for ddp in (ours, theirs):
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    differences = []
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * rank + step))
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [ours(x).pow(2).sum()])
+            grads = dist_autograd.get_gradients(context_id)
+            reference.zero_grad(set_to_none=True)
+            theirs(x).pow(2).sum().backward()
+            differences.append(max((grads[p] - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters())))
+            gathered: list = [None, None]
+            dist.all_gather_object(gathered, [grads[p].tolist() for p in model.parameters()])
+    rpc.shutdown()
+    dist.destroy_process_group()
+    return {"variant": name, "max_difference": max(differences), "same_on_both": gathered[0] == gathered[1]}
+
+
+VARIANTS = ["gradient_as_bucket_view", "small_buckets", "fp16_comm_hook"]
+
+
 if __name__ == "__main__":
     program, *args = sys.argv[1:]
     result = globals()[program](*map(int, args))

@@ -55,3 +55,13 @@ def test_a_trainer_killed_mid_step_fails_the_others_backward_naming_it():
     assert found["step"] == 1 and found["type"] == "RpcError"  # a RuntimeError, as torch's backward raises
     assert "DistributedDataParallel's reduction failed" in found["error"]
     assert "lost worker(s): worker1" in found["error"]
+
+
+@pytest.mark.parametrize("which", range(3), ids=["gradient_as_bucket_view", "small_buckets", "fp16_comm_hook"])
+def test_ddp_configurations_give_the_gradients_ddp_gives_with_local_autograd(which):
+    """The same DDP configuration on a copy of the model, with ``loss.backward()``, in the
+    same trainers: the context's gradients equal its ``.grad`` (averaged the same way)."""
+    rpc_port, pg_port = free_port(), free_port()
+    trainers = [_start("variant", rank, rpc_port, pg_port, which) for rank in (0, 1)]
+    for found in map(_result, trainers):
+        assert found["max_difference"] == 0.0 and found["same_on_both"]
