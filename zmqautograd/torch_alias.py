@@ -4,7 +4,8 @@
 ``functions``, ``constants`` and ``options``), ``torch.distributed.autograd`` and
 ``torch.distributed.optim.DistributedOptimizer`` be zmqautograd's in this process: code that
 imports them afterwards gets ours, and so does code that reads them as attributes of
-``torch.distributed`` at call time. A module that bound torch's own objects by name before the
+``torch.distributed`` at call time; torch's own modules that bound them by name before (its
+``RemoteModule``) are rebound. A module of yours that bound torch's objects by name before the
 call keeps them; call it first thing. torch's other RPC internals (``rpc.internal``,
 ``rpc.backend_registry``, the TorchScript bindings) stay torch's and are not used by ours.
 
