@@ -85,6 +85,19 @@ class Group:
         assert all(p.exitcode == 0 for p in self.processes), [p.exitcode for p in self.processes]
 
 
+def group_fixture(world_size: int = 4, **options):
+    """A module-scoped pytest fixture ``group``: one Group serves every test of the module."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def group():
+        g = Group(world_size=world_size, **options)
+        yield g
+        g.shutdown()
+
+    return group
+
+
 @contextlib.contextmanager
 def admitted_member(name: str, worker: str = "worker1", rank: str = "1", **socket_options):
     """A raw DEALER connected to ``worker`` (wire name ``rank``) as member ``name``: the

@@ -11,16 +11,12 @@ import torch
 import zmqautograd.rpc as rpc
 
 from tests import rpc_functions as f
-from tests.rpc_harness import Group
+from tests.rpc_harness import group_fixture
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def group():
-    g = Group(world_size=3, num_worker_threads=4, rpc_timeout=30)
-    yield g
-    g.shutdown()
+group = group_fixture(world_size=3, num_worker_threads=4, rpc_timeout=30)
 
 
 def _owned_on(group, worker: str) -> int:

@@ -18,16 +18,12 @@ from zmqautograd.nn import RemoteModule
 from zmqautograd.optim import DistributedOptimizer
 
 from tests import rpc_functions as f
-from tests.rpc_harness import Group
+from tests.rpc_harness import group_fixture
 
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def group():
-    g = Group(world_size=3, num_worker_threads=4, rpc_timeout=30)
-    yield g
-    g.shutdown()
+group = group_fixture(world_size=3, num_worker_threads=4, rpc_timeout=30)
 
 
 def test_forward_sync_async_and_kwargs(group):
