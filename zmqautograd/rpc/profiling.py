@@ -21,7 +21,6 @@ profiled.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from typing import Any, Callable
@@ -33,12 +32,11 @@ from torch.autograd import _enable_profiler_legacy as _enable_legacy
 from torch.autograd import profiler_legacy
 
 from . import current
-from .errors import RpcError, as_operator_error, user_error
+from .errors import RpcError
 from .functions import answered_when_done, check_async_result, is_async_function
-from .futures import Outcome, outcome_of, traceback_text
-from .serialization import FunctionRef, encode_function, is_protocol_function, protocol_function, resolve_function
+from .futures import Outcome, outcome_of
+from .serialization import FunctionRef, encode_function, protocol_function, resolve_function, served_error
 
-log = logging.getLogger(__name__)
 
 REMOTE_OP = "#remote_op: "  # torch's separator of a remote event's key and its own name
 
@@ -294,10 +292,7 @@ def _call(function: Callable, args: list, kwargs: dict) -> Any:
     try:
         return function(*args, **kwargs)
     except BaseException as exc:  # as the agent serves a call's error (serving.py)
-        error = as_operator_error(function, user_error(exc))
-        if not is_protocol_function(function):
-            log.warning("On %s:\n%r\n%s", current.agent().info, error, traceback_text(error))
-        raise error from None
+        raise served_error(function, exc, current.agent().info) from None
 
 
 def _answer(answer: Outcome, done: Any, events: Callable[[], list]) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copyreg
 import importlib
 import io
+import logging
 import pickle
 import sys
 import types
@@ -30,8 +31,10 @@ import torch
 from zmqautograd.transport.codec import Codec, Extension
 from zmqautograd.transport.errors import PeerError
 
-from .errors import RemoteException, SerializationError
+from .errors import RemoteException, SerializationError, as_operator_error, user_error
 from .futures import traceback_text
+
+log = logging.getLogger(__name__)
 
 EXT_PICKLE = 16
 EXT_FUNCTION = 17
@@ -433,6 +436,16 @@ def resolve_function(function: Any, policy: CallablePolicy = UNRESTRICTED) -> Ca
 
 
 # ----------------------------------------------------------------------------- exceptions
+
+
+def served_error(function: Callable, exc: BaseException, where: object) -> Exception:
+    """What ``function``, called for a peer, raised, as its caller is to get it (errors.py:
+    ``user_error``, ``as_operator_error``); logged here too, as torch does, unless the function
+    is one of our protocol functions."""
+    error = as_operator_error(function, user_error(exc))
+    if not is_protocol_function(function):
+        log.warning("On %s:\n%r\n%s", where, error, traceback_text(error))
+    return error
 
 
 def encode_exception(exc: BaseException) -> dict:

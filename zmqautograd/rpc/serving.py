@@ -17,15 +17,15 @@ from zmqautograd.transport import (
 )
 
 from . import current
-from .errors import SerializationError, as_operator_error, user_error
+from .errors import SerializationError, user_error
 from .functions import check_async_result, is_async_function
 from .message_types import REQUEST_TYPES, RESPONSE_TYPES
-from .futures import traceback_text, when_all_done
+from .futures import when_all_done
 from .profiling import run_server_profiled, server_profiles
 from .serialization import (
     encode_exception,
-    is_protocol_function,
     resolve_function,
+    served_error,
 )
 
 if TYPE_CHECKING:
@@ -103,12 +103,8 @@ class Serving:
                     result.add_done_callback(lambda done: self._answer_with(message, done, served))
                     return served
         except BaseException as exc:  # a user's sys.exit() too: answered, never this thread's end
-            exc = user_error(exc)
-            if function is not None:
-                exc = as_operator_error(function, exc)
-                if not is_protocol_function(function):
-                    # As torch: the error is logged where it happened as well as returned.
-                    log.warning("On %s:\n%r\n%s", self.info, exc, traceback_text(exc))
+            # As torch: a function's error is logged where it happened as well as returned.
+            exc = user_error(exc) if function is None else served_error(function, exc, self.info)
             self._reply(message, None, exc, served)
             return served
         if is_async_function(function):  # and done already (a backward pass that ran to its end here)
