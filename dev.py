@@ -8,6 +8,8 @@
     python3 dev.py bench-transport  # the transport next to raw pyzmq
     python3 dev.py pingpong         # tensors out and back over the transport
     python3 dev.py stress           # a random mix under faults and a kill (tools/stress.py --help)
+    python3 dev.py compose          # the demo on a real Docker engine, one container per worker;
+                                    # --faults: then partition, pause, kill, restart a worker
 
 Each creates ``.venv`` on first use and installs what it needs: torch (pinned to 2.13.0, the
 CPU build, where the environment does not have torch yet), pyzmq, msgpack, and the test
@@ -67,6 +69,7 @@ def main() -> int:
         "bench-transport": [PYTHON, "tools/bench_transport.py", *sys.argv[2:]],
         "pingpong": [PYTHON, "tools/pingpong.py"],
         "stress": [PYTHON, "tools/stress.py", *sys.argv[2:]],
+        "compose": [PYTHON, "tools/compose.py", *sys.argv[2:]],
     }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(__doc__.strip())

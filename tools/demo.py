@@ -82,10 +82,14 @@ def train(steps: int, batch: int, init_method: str) -> None:
     last_step = 0
     for step in range(steps):
         index = torch.arange(step * batch, (step + 1) * batch) % x_all.shape[0]
-        with dist_autograd.context() as context_id:
-            loss = torch.nn.functional.mse_loss(model(x_all[index]), y_all[index])
-            dist_autograd.backward(context_id, [loss])
-            optimizer.step(context_id)
+        try:
+            with dist_autograd.context() as context_id:
+                loss = torch.nn.functional.mse_loss(model(x_all[index]), y_all[index])
+                dist_autograd.backward(context_id, [loss])
+                optimizer.step(context_id)
+        except RuntimeError as exc:  # a worker lost, say: when, and what the error names
+            print(f"step {step} failed at {time.time():.3f}: {exc}", flush=True)
+            raise
         if step % 50 == 0 or step == steps - 1:
             now = time.perf_counter()
             rate = (step + 1 - last_step) / (now - last_time)  # over the steps since the last line
@@ -111,7 +115,8 @@ def run(rank: int, init_method: str, steps: int, batch: int, busy_poll: float = 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=int(os.environ.get("DEMO_STEPS") or 300),
+                        help="training steps (default: $DEMO_STEPS, else 300)")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--busy-poll", type=float, default=0.0, metavar="SECONDS",
                         help="opt-in busy polling of every worker's I/O thread (docs/transport.md)")

@@ -28,7 +28,8 @@ def service_process(namespace: str, service: dict) -> subprocess.Popen:
     command = list(service["command"])
     assert command[0] == "python", command  # the image's interpreter: ours here
     env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
-    env.update({key: str(value) for key, value in service["environment"].items()})
+    # A key without a value comes from the shell, and is unset where the shell has none.
+    env.update({key: str(value) for key, value in service["environment"].items() if value is not None})
     env["PYTHONPATH"] = ROOT  # the image has the package installed
     return start_in(namespace, command[1:], env, ROOT)
 
@@ -69,3 +70,17 @@ def test_compose_services_train_on_separate_hosts(service_hosts):
         assert process.returncode == 0, f"{name}: {outputs[name][1][-3000:]}"
     driver = next(name for name, s in services.items() if s["environment"]["RANK"] == "0")
     assert "held-out loss" in outputs[driver][0], outputs[driver][0][-2000:]
+
+
+def test_the_compose_command_without_an_engine_says_why_in_one_line():
+    """``dev.py compose`` where no engine runs and none may be started: one line, exit 1, at
+    once (the real engine run is .ci/run's ``dev.py compose --faults``)."""
+    import sys
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compose.py"), "--no-start"],
+                          env={**os.environ, "DOCKER_HOST": "unix:///nonexistent/docker.sock"},
+                          capture_output=True, text=True, timeout=90, cwd=ROOT)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "no Docker engine answers" in lines[0] or "docker command is missing" in lines[0]
