@@ -353,15 +353,15 @@ class ContextContainer:
                     running.fail(error)
         return released
 
-    def peer_lost(self, worker_id: int, error: BaseException) -> None:
-        """``worker_id`` is lost: passes here that wait for reports fail if it took part in
-        their context (engine.Pass.peer_lost, "Forwarding")."""
+    def peer_lost(self, worker_id: int, error: BaseException, name: str | None = None) -> None:
+        """``worker_id`` (named ``name``) is lost: passes here that wait for reports fail if
+        it took part in their context (engine.Pass.peer_lost, "Forwarding")."""
         with self._lock:
             contexts = list(self._contexts.values())
         for context in contexts:
             running = context.current_pass
             if running is not None:
-                running.peer_lost(worker_id, error)
+                running.peer_lost(worker_id, error, name)
 
     def wait_released(self, context_ids: set[int] | None, timeout: float) -> bool:
         """Wait until none of ``context_ids`` (None: no context at all) is here any more;

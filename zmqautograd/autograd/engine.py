@@ -513,13 +513,14 @@ class Pass:
             self._settled += 1
         self._maybe_finish()
 
-    def peer_lost(self, peer: int, error: BaseException) -> None:
-        """Fail if reports are due and ``peer`` took part in the context: a request may have
-        been forwarded to it (announced in a report that cannot come now), or come from it."""
+    def peer_lost(self, peer: int, error: BaseException, name: str | None = None) -> None:
+        """Fail if reports are due and ``peer`` (named ``name``) took part in the context: a
+        request may have been forwarded to it (announced in a report that cannot come now),
+        or come from it."""
         with self._lock:
             waiting = bool(self._tickets) or bool(self._early)
         if waiting and (peer in self._tickets.values() or peer in self.context._known_worker_ids()):
-            self.fail(RpcError(f"worker {peer}, which took part in this pass, is lost: {error}"))
+            self.fail(RpcError(f"{name or f'worker {peer}'}, which took part in this pass, is lost: {error}"))
 
     def _all_done(self) -> bool:  # caller holds the lock
         return self._remaining == 0 and self._outstanding == 0 and not self._tickets and not self._early

@@ -176,11 +176,11 @@ class AutogradHooks:
     def peer_lost(self, peer: int, error: BaseException) -> None:
         """Passes waiting for that worker's report fail; contexts it created here can never be
         released by it any more, nor those only lost workers could still release."""
-        name = str(peer)
+        name, worker_name = str(peer), self._name_of(peer)
         with self._losses:
-            self._lost.append(self._name_of(peer))
+            self._lost.append(worker_name)
             self._losses.notify_all()
-        self.contexts.peer_lost(peer, error)
+        self.contexts.peer_lost(peer, error, worker_name)
         orphans = self.contexts.release_created_by(peer, PeerLostError(name, f"creator lost: {error}"))
         if orphans:
             log.warning("%s: released %d autograd context(s) of lost worker %s", self.agent.info, orphans, peer)
