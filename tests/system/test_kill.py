@@ -147,7 +147,7 @@ def test_kill_mid_forwarded_backward(group):
         return rpc.rpc_sync("worker3", torch.mul, args=(h, 3)).sum()  # (h is gone after)
 
     error = _killed_inside_backward(group, 5, forward, "mid-forwarded-backward")
-    assert "Error on Node 0" in str(error) and "worker 5" in str(error)  # (a lost report, not a call)
+    assert "Error on Node 0: worker5, which took part in this pass, is lost" in str(error)  # (a lost report, not a call)
 
 
 def test_kill_during_rref_fetch(group):
