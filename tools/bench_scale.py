@@ -1,0 +1,243 @@
+"""zmqautograd next to TensorPipe as the work grows: more workers, nested chains, concurrent
+passes. Each framework runs alone in its own processes (one intra-op thread each), the two
+taking turns launch by launch in one run; every row prints the time per step of both, their
+ratio, and the CPU seconds per step summed over all processes of the group (each process's
+``time.process_time()`` read before and after the timed loop), with its ratio.
+
+Rows (every step is a distributed autograd step: forward, ``backward``, ``get_gradients``):
+
+* ``one hop``: the driver calls one worker, world 2.
+* ``fan-out N``: the driver calls its N-1 workers at once (``rpc_async``), sums, world N.
+* ``chain N``: a nested chain through N-1 workers (each worker's function calls the next).
+* ``T threads``: T driver threads each running one-hop steps at once, world 2 (per step:
+  the run's time over all threads' steps).
+* ``idle 16``: 16 workers that do nothing for 10 s: CPU seconds in total (per 10 s).
+
+    python tools/bench_scale.py [--launches 2] [--steps 60] [--worlds 2,4,8,16] [--chain 8] [--threads 1,4,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from tools import ports  # noqa: E402
+from tools.machine import kind_line  # noqa: E402
+
+WIDTH = 16
+
+
+def _join(rank: int, world: int, framework: str, port: int) -> tuple:
+    torch.set_num_threads(1)
+    if framework == "tp":
+        import torch.distributed.autograd as autograd
+        import torch.distributed.rpc as rpc
+
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120)
+    else:
+        import zmqautograd.autograd as autograd  # type: ignore[no-redef]
+        import zmqautograd.rpc as rpc  # type: ignore[no-redef]
+
+        options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
+    return rpc, autograd
+
+
+# ------------------------------------------------------------------ what workers run
+
+
+def layer(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x * 1.5)
+
+
+def chain(x: torch.Tensor, rest: list[str]) -> torch.Tensor:
+    """This worker's step of a nested chain: its layer, then the rest of the chain."""
+    import torch.distributed.rpc as tp_rpc
+
+    import zmqautograd.rpc as zmq_rpc
+
+    y = layer(x)
+    if not rest:
+        return y
+    rpc = zmq_rpc if zmq_rpc._is_initialized() else tp_rpc
+    return rpc.rpc_sync(rest[0], chain, args=(y, rest[1:]))
+
+
+def cpu_now() -> float:
+    return time.process_time()
+
+
+# ------------------------------------------------------------------------ the steps
+
+
+def one_hop_step(rpc, autograd, x: torch.Tensor) -> None:
+    with autograd.context() as context_id:
+        y = rpc.rpc_sync("worker1", layer, args=(x,))
+        autograd.backward(context_id, [y.sum()])
+        autograd.get_gradients(context_id)
+
+
+def fan_out_step(rpc, autograd, x: torch.Tensor, workers: list[str]) -> None:
+    with autograd.context() as context_id:
+        futures = [rpc.rpc_async(w, layer, args=(x,)) for w in workers]
+        total = torch.stack([f.wait() for f in futures]).sum()
+        autograd.backward(context_id, [total])
+        autograd.get_gradients(context_id)
+
+
+def chain_step(rpc, autograd, x: torch.Tensor, workers: list[str]) -> None:
+    with autograd.context() as context_id:
+        y = rpc.rpc_sync(workers[0], chain, args=(x, workers[1:]))
+        autograd.backward(context_id, [y.sum()])
+        autograd.get_gradients(context_id)
+
+
+def _timed(rpc, world: int, steps: int, step) -> tuple[float, float]:
+    """Seconds per step, and CPU seconds per step summed over every process of the group."""
+    others = [f"worker{r}" for r in range(1, world)]
+    for _ in range(max(3, steps // 10)):
+        step()
+    cpu_before = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    elapsed = time.perf_counter() - start
+    cpu_after = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+    return elapsed / steps, (cpu_after - cpu_before) / steps
+
+
+def _timed_threads(rpc, autograd, x: torch.Tensor, world: int, threads: int, count: int) -> tuple[float, float]:
+    """``threads`` long-lived driver threads each running ``count`` one-hop steps at once:
+    seconds and CPU seconds (all processes) per step, over all their steps."""
+    others = [f"worker{r}" for r in range(1, world)]
+    for _ in range(3):
+        one_hop_step(rpc, autograd, x)
+    gate = threading.Barrier(threads + 1)
+    errors: list = []
+
+    def run() -> None:
+        try:
+            gate.wait(60)
+            for _ in range(count):
+                one_hop_step(rpc, autograd, x)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    cpu_before = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+    start = time.perf_counter()
+    gate.wait(60)
+    for t in workers:
+        t.join(300)
+    elapsed = time.perf_counter() - start
+    cpu_after = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+    if errors:
+        raise errors[0]
+    return elapsed / (threads * count), (cpu_after - cpu_before) / (threads * count)
+
+
+def group_main(rank: int, world: int, framework: str, port: int, steps: int, rows: list, results) -> None:
+    rpc, autograd = _join(rank, world, framework, port)
+    if rank == 0:
+        x = torch.randn(4, WIDTH, requires_grad=True)
+        found = {}
+        others = [f"worker{r}" for r in range(1, world)]
+        steps_of = {
+            "one hop": lambda: one_hop_step(rpc, autograd, x),
+            "fan-out": lambda: fan_out_step(rpc, autograd, x, others),
+            "chain": lambda: chain_step(rpc, autograd, x, others),
+        }
+        for row in rows:
+            kind, value = row
+            if kind in steps_of:
+                step = steps_of[kind]
+                per, count = 1, steps if kind != "chain" else max(10, steps // 2)
+            elif kind == "threads":
+                found[row] = _timed_threads(rpc, autograd, x, world, value, max(10, steps // value * 2))
+                continue
+            elif kind == "idle":
+                cpu_before = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+                time.sleep(10)  # idle on purpose: what waiting workers cost is the measurement
+                cpu_after = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+                found[row] = (10.0, cpu_after - cpu_before)
+                continue
+            else:
+                raise ValueError(kind)
+            seconds, cpu = _timed(rpc, world, count, step)
+            found[row] = (seconds / per, cpu / per)
+        results.put(found)
+    rpc.shutdown()
+
+
+def launch(world: int, framework: str, steps: int, rows: list) -> dict:
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(group_main, args=(world, framework, ports.free_port(), steps, rows, results),
+                       nprocs=world, start_method="spawn")
+    return results.get()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--launches", type=int, default=2, help="launches per framework and world (medians)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--worlds", default="2,4,8,16", help="fan-out world sizes")
+    parser.add_argument("--chain", type=int, default=8, help="processes of the nested chain (driver included)")
+    parser.add_argument("--threads", default="1,4,16", help="driver threads running one-hop steps at once")
+    parser.add_argument("--no-idle", action="store_true", help="skip the 16 idle workers row")
+    args = parser.parse_args()
+
+    plans: dict[int, list] = {}
+    plans.setdefault(2, []).append(("one hop", 1))
+    for threads in map(int, args.threads.split(",")):
+        plans.setdefault(2, []).append(("threads", threads))
+    for world in map(int, args.worlds.split(",")):
+        if world > 2:
+            plans.setdefault(world, []).append(("fan-out", world))
+    plans.setdefault(args.chain, []).append(("chain", args.chain))
+    if not args.no_idle:
+        plans.setdefault(16, []).append(("idle", 16))
+
+    print(f"{kind_line()}; torch {torch.__version__}; each framework alone in its processes, "
+          f"{args.launches} launch(es) each, medians", flush=True)
+    samples: dict = {}
+    for world in sorted(plans):
+        for _ in range(args.launches):
+            for framework in ("tp", "zmq"):  # taking turns, so both see the same machine
+                found = launch(world, framework, args.steps, plans[world])
+                for row, value in found.items():
+                    samples.setdefault((row, framework), []).append(value)
+    print(f"\n{'row':<14} {'TensorPipe':>12} {'zmqautograd':>12} {'ratio':>7}   "
+          f"{'CPU/step TP':>12} {'CPU/step ours':>13} {'ratio':>7}")
+    for world in sorted(plans):
+        for row in plans[world]:
+            tp = [statistics.median(v) for v in zip(*samples[(row, "tp")])]
+            ours = [statistics.median(v) for v in zip(*samples[(row, "zmq")])]
+            kind, value = row
+            name = {"one hop": "one hop", "fan-out": f"fan-out {value}", "chain": f"chain {value}",
+                    "threads": f"{value} threads", "idle": f"idle {value}"}[kind]
+            if kind == "idle":
+                print(f"{name:<14} {'(10 s)':>12} {'(10 s)':>12} {'':>7}   {tp[1]:>11.2f}s {ours[1]:>12.2f}s "
+                      f"{ours[1] / tp[1]:>6.2f}x")
+                continue
+            print(f"{name:<14} {tp[0] * 1e6:>10.0f}us {ours[0] * 1e6:>10.0f}us {ours[0] / tp[0]:>6.2f}x   "
+                  f"{tp[1] * 1e3:>10.2f}ms {ours[1] * 1e3:>11.2f}ms {ours[1] / tp[1]:>6.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
