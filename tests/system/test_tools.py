@@ -7,11 +7,14 @@ import os
 import random
 import socket
 import struct
+import sys
 
 import pytest
 import torch
 
 from tools import floor, machine, ports, shm_floor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.timeout(60)
@@ -180,3 +183,20 @@ def test_kind_line_names_the_cpu_and_the_hypervisor():
     assert machine._hypervisor(cpuinfo.replace(" hypervisor", " hypervisor_x"), "KVM") == "no hypervisor flag"
     line = machine.kind_line()
     assert line.startswith("machine: ") and " CPU(s), " in line and os.uname().release in line
+
+
+@pytest.mark.timeout(240)
+def test_bench_scale_prints_both_frameworks_and_their_ratios():
+    """tools/bench_scale.py, as small as it goes: one launch of each framework, world 2 (one
+    hop, 2 threads, a chain of 2)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_scale.py"), "--launches", "1", "--steps", "10",
+                           "--worlds", "2", "--chain", "2", "--threads", "2", "--no-idle"],
+                          capture_output=True, text=True, timeout=220, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0] + " " + line.split()[1]: line for line in done.stdout.splitlines()
+            if line.startswith(("one hop", "2 threads", "chain 2"))}
+    assert set(rows) == {"one hop", "2 threads", "chain 2"}, done.stdout
+    for line in rows.values():
+        assert line.count("x") == 2  # a time ratio and a CPU ratio
