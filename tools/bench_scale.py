@@ -14,6 +14,7 @@ Rows (every step is a distributed autograd step: forward, ``backward``, ``get_gr
 * ``idle 16``: 16 workers that do nothing for 10 s: CPU seconds in total (per 10 s).
 
     python tools/bench_scale.py [--launches 2] [--steps 60] [--worlds 2,4,8,16] [--chain 8] [--threads 1,4,16]
+                                [--no-idle] [--zmq spin=0 ...]
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from tools.machine import kind_line  # noqa: E402
 WIDTH = 16
 
 
+ZMQ_OPTIONS: dict = {}  # --zmq key=value: more ZmqRpcBackendOptions, for A/B runs
+
+
 def _join(rank: int, world: int, framework: str, port: int) -> tuple:
     torch.set_num_threads(1)
     if framework == "tp":
@@ -51,7 +55,7 @@ def _join(rank: int, world: int, framework: str, port: int) -> tuple:
         import zmqautograd.autograd as autograd  # type: ignore[no-redef]
         import zmqautograd.rpc as rpc  # type: ignore[no-redef]
 
-        options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120)
+        options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120, **ZMQ_OPTIONS)
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     return rpc, autograd
 
@@ -151,7 +155,9 @@ def _timed_threads(rpc, autograd, x: torch.Tensor, world: int, threads: int, cou
     return elapsed / (threads * count), (cpu_after - cpu_before) / (threads * count)
 
 
-def group_main(rank: int, world: int, framework: str, port: int, steps: int, rows: list, results) -> None:
+def group_main(rank: int, world: int, framework: str, port: int, steps: int, rows: list, results,
+               zmq_options: dict) -> None:
+    ZMQ_OPTIONS.update(zmq_options)
     rpc, autograd = _join(rank, world, framework, port)
     if rank == 0:
         x = torch.randn(4, WIDTH, requires_grad=True)
@@ -187,7 +193,7 @@ def group_main(rank: int, world: int, framework: str, port: int, steps: int, row
 def launch(world: int, framework: str, steps: int, rows: list) -> dict:
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(group_main, args=(world, framework, ports.free_port(), steps, rows, results),
+    mp.start_processes(group_main, args=(world, framework, ports.free_port(), steps, rows, results, ZMQ_OPTIONS),
                        nprocs=world, start_method="spawn")
     return results.get()
 
@@ -200,7 +206,12 @@ def main() -> None:
     parser.add_argument("--chain", type=int, default=8, help="processes of the nested chain (driver included)")
     parser.add_argument("--threads", default="1,4,16", help="driver threads running one-hop steps at once")
     parser.add_argument("--no-idle", action="store_true", help="skip the 16 idle workers row")
+    parser.add_argument("--zmq", action="append", default=[], metavar="KEY=VALUE",
+                        help="a ZmqRpcBackendOptions field for zmqautograd's groups (numbers), e.g. spin=0")
     args = parser.parse_args()
+    for item in args.zmq:
+        key, _, value = item.partition("=")
+        ZMQ_OPTIONS[key] = float(value)
 
     plans: dict[int, list] = {}
     plans.setdefault(2, []).append(("one hop", 1))
