@@ -103,8 +103,7 @@ def engine(may_start: bool = True) -> Iterator[dict]:
                      "system (apt-get): start dockerd, or run this as root")
     if not shutil.which("dockerd"):
         say("installing docker.io (apt-get)")
-        run(["apt-get", "install", "-y", "-q", "docker.io"], 600, env={**env, "DEBIAN_FRONTEND": "noninteractive"},
-            what="apt-get install docker.io", quiet=True)
+        apt_install("docker.io", env)
     OWN_ENGINE.mkdir(parents=True, exist_ok=True)
     socket = f"unix://{OWN_ENGINE / 'docker.sock'}"
     env["DOCKER_HOST"] = socket
@@ -131,6 +130,17 @@ def engine(may_start: bool = True) -> Iterator[dict]:
             daemon.wait(10)
         log.close()
         say(f"stopped dockerd (pid {daemon.pid})")
+
+
+def apt_install(package: str, env: dict) -> None:
+    """``apt-get install`` one package; once more after ``apt-get update`` if the package
+    lists are missing or stale."""
+    env = {**env, "DEBIAN_FRONTEND": "noninteractive"}
+    command = ["apt-get", "install", "-y", "-q", package]
+    if run(command, 600, env=env, check=False, quiet=True).returncode == 0:
+        return
+    run(["apt-get", "update", "-q"], 300, env=env, what="apt-get update", quiet=True)
+    run(command, 600, env=env, what=f"apt-get install {package}", quiet=True)
 
 
 def ensure_compose(env: dict) -> list[str]:
@@ -173,8 +183,7 @@ def base_image(env: dict, wanted: str | None) -> str:
     if not shutil.which("debootstrap"):
         if os.geteuid() != 0 or not shutil.which("apt-get"):
             raise Failed("no base image: python:3.11-slim cannot be pulled and debootstrap is missing (pass --base IMAGE)")
-        run(["apt-get", "install", "-y", "-q", "debootstrap"], 300, env={**env, "DEBIAN_FRONTEND": "noninteractive"},
-            what="apt-get install debootstrap", quiet=True)
+        apt_install("debootstrap", env)
     with tempfile.TemporaryDirectory(prefix="zmqautograd-rootfs-") as rootfs:
         run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,python3-pip,ca-certificates",
              "bookworm", rootfs, "http://deb.debian.org/debian"], 900, what="debootstrap", quiet=True)
