@@ -84,6 +84,11 @@ def cpu_now() -> float:
     return time.process_time()
 
 
+def cpu_of_group(rpc, others: list[str]) -> float:
+    """CPU seconds used so far by this process and the workers ``others``, summed."""
+    return time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+
+
 # ------------------------------------------------------------------------ the steps
 
 
@@ -114,12 +119,12 @@ def _timed(rpc, world: int, steps: int, step) -> tuple[float, float]:
     others = [f"worker{r}" for r in range(1, world)]
     for _ in range(max(3, steps // 10)):
         step()
-    cpu_before = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+    cpu_before = cpu_of_group(rpc, others)
     start = time.perf_counter()
     for _ in range(steps):
         step()
     elapsed = time.perf_counter() - start
-    cpu_after = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+    cpu_after = cpu_of_group(rpc, others)
     return elapsed / steps, (cpu_after - cpu_before) / steps
 
 
@@ -143,13 +148,13 @@ def _timed_threads(rpc, autograd, x: torch.Tensor, world: int, threads: int, cou
     workers = [threading.Thread(target=run) for _ in range(threads)]
     for t in workers:
         t.start()
-    cpu_before = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+    cpu_before = cpu_of_group(rpc, others)
     start = time.perf_counter()
     gate.wait(60)
     for t in workers:
         t.join(300)
     elapsed = time.perf_counter() - start
-    cpu_after = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+    cpu_after = cpu_of_group(rpc, others)
     if errors:
         raise errors[0]
     return elapsed / (threads * count), (cpu_after - cpu_before) / (threads * count)
@@ -177,9 +182,9 @@ def group_main(rank: int, world: int, framework: str, port: int, steps: int, row
                 found[row] = _timed_threads(rpc, autograd, x, world, value, max(10, steps // value * 2))
                 continue
             elif kind == "idle":
-                cpu_before = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+                cpu_before = cpu_of_group(rpc, others)
                 time.sleep(10)  # idle on purpose: what waiting workers cost is the measurement
-                cpu_after = time.process_time() + sum(rpc.rpc_sync(w, cpu_now) for w in others)
+                cpu_after = cpu_of_group(rpc, others)
                 found[row] = (10.0, cpu_after - cpu_before)
                 continue
             else:

@@ -41,9 +41,9 @@ import torch
 from . import port
 from .functions import make_suppressible, run_tensor_hooks, suppressing, tensor_hooks_of
 
-_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # DDP modules seen in a forward
 # id(parameter) -> (the parameter, its DDP module), both weakly
 _owner: dict[int, tuple["weakref.ref[torch.Tensor]", "weakref.ref[torch.nn.Module]"]] = {}
+# The DDP modules seen in a forward, each with the lock its reductions take.
 _locks: "weakref.WeakKeyDictionary[torch.nn.Module, threading.Lock]" = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 _installed = False
@@ -63,7 +63,7 @@ def install() -> None:
     original = DistributedDataParallel._pre_forward
 
     def _pre_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
-        if self not in _modules:
+        if self not in _locks:
             _note(self)
         return original(self, *inputs, **kwargs)
 
@@ -79,7 +79,6 @@ def _note(module: Any) -> None:
             _owner[id(param)] = (weakref.ref(param), ref)
             weakref.finalize(param, _owner.pop, id(param), None)
         _locks[module] = threading.Lock()
-        _modules.add(module)
 
 
 def owner_of(variable: torch.Tensor) -> Any:
