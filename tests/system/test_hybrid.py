@@ -37,7 +37,11 @@ def _identical(a: list, b: list) -> bool:
 
 
 def _close(a: list, b: list) -> bool:
-    return all(torch.allclose(x, y, atol=1e-5, rtol=1e-5) for x, y in zip(_tensors(a), _tensors(b)))
+    # torch's own runs of this program are not bit-repeatable: ours and TensorPipe's usually
+    # agree to 1.5e-8, but one CI run of TensorPipe ended 1e-5 away from its usual weights
+    # (ours matched the usual ones). Three unaveraged steps of six (no_sync) move the heads
+    # by 1.6e-2, so 1e-4 still tells them apart by two orders of magnitude.
+    return all(torch.allclose(x, y, atol=1e-4, rtol=1e-4) for x, y in zip(_tensors(a), _tensors(b)))
 
 
 @pytest.mark.timeout(420)
