@@ -7,6 +7,7 @@
     python3 dev.py bench            # zmqautograd.rpc next to torch.distributed.rpc (TensorPipe)
     python3 dev.py bench-transport  # the transport next to raw pyzmq
     python3 dev.py bench-scale      # as the work grows: 2-16 workers, chains, threads, idle cost
+    python3 dev.py bench-instr      # instructions per step under callgrind, two commits (A/B)
     python3 dev.py pingpong         # tensors out and back over the transport
     python3 dev.py stress           # a random mix under faults and a kill (tools/stress.py --help)
     python3 dev.py compose          # the demo on a real Docker engine, one container per worker;
@@ -69,6 +70,7 @@ def main() -> int:
         "bench": [PYTHON, "tools/bench.py", *sys.argv[2:]],
         "bench-transport": [PYTHON, "tools/bench_transport.py", *sys.argv[2:]],
         "bench-scale": [PYTHON, "tools/bench_scale.py", *sys.argv[2:]],
+        "bench-instr": [PYTHON, "tools/bench_instr.py", *sys.argv[2:]],
         "pingpong": [PYTHON, "tools/pingpong.py"],
         "stress": [PYTHON, "tools/stress.py", *sys.argv[2:]],
         "compose": [PYTHON, "tools/compose.py", *sys.argv[2:]],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import shutil
 import socket
 import struct
 import sys
@@ -200,3 +201,33 @@ def test_bench_scale_prints_both_frameworks_and_their_ratios():
     assert set(rows) == {"one hop", "2 threads", "chain 2"}, done.stdout
     for line in rows.values():
         assert line.count("x") == 2  # a time ratio and a CPU ratio
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not (shutil.which("valgrind") and shutil.which("callgrind_control")), reason="needs valgrind")
+def test_bench_instr_counts_a_step_of_both_trees_alike():
+    """tools/bench_instr.py with HEAD against the working tree (the same code in a clean
+    checkout): both counted, from their own trees, and alike (the measure is repeatable)."""
+    import re
+    import subprocess
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_instr.py"), "HEAD", "--steps", "10",
+                           "--workloads", "hop"], capture_output=True, text=True, timeout=220, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.search(r"^hop\s+A\s+([\d,]+)\s+B\s+([\d,]+)\s+B/A ([\d.]+)$", done.stdout, re.M)
+    assert found, done.stdout
+    a, b = (int(found.group(i).replace(",", "")) for i in (1, 2))
+    assert a > 100_000 and b > 100_000
+    if not subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "zmqautograd", "transport"],
+                          capture_output=True, text=True).stdout:
+        assert 0.9 < b / a < 1.1, done.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not (shutil.which("valgrind") and shutil.which("callgrind_control")), reason="needs valgrind")
+def test_bench_instr_names_a_revision_it_cannot_export():
+    import subprocess
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_instr.py"), "no-such-revision"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode != 0 and "cannot export 'no-such-revision'" in done.stderr
