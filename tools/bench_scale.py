@@ -14,7 +14,10 @@ Rows (every step is a distributed autograd step: forward, ``backward``, ``get_gr
 * ``idle 16``: 16 workers that do nothing for 10 s: CPU seconds in total (per 10 s).
 
     python tools/bench_scale.py [--launches 2] [--steps 60] [--worlds 2,4,8,16] [--chain 8] [--threads 1,4,16]
-                                [--no-idle] [--zmq spin=0 ...]
+                                [--no-idle] [--zmq spin=0 ...] [--ab spin_under_load=1 ...]
+
+``--ab KEY=VALUE`` adds a third group to every launch, zmqautograd with these options (B),
+and prints its figures and its ratios to the plain one (B/A): an A/B in the same run.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from tools.machine import kind_line  # noqa: E402
 WIDTH = 16
 
 
-ZMQ_OPTIONS: dict = {}  # --zmq key=value: more ZmqRpcBackendOptions, for A/B runs
+ZMQ_OPTIONS: dict = {}  # --zmq key=value: more ZmqRpcBackendOptions, for every zmqautograd group
+AB_OPTIONS: dict = {}  # --ab key=value: the options of group B, on top of ZMQ_OPTIONS
 
 
 def _join(rank: int, world: int, framework: str, port: int) -> tuple:
@@ -198,7 +202,8 @@ def group_main(rank: int, world: int, framework: str, port: int, steps: int, row
 def launch(world: int, framework: str, steps: int, rows: list) -> dict:
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(group_main, args=(world, framework, ports.free_port(), steps, rows, results, ZMQ_OPTIONS),
+    options = {**ZMQ_OPTIONS, **AB_OPTIONS} if framework == "zmq-b" else ZMQ_OPTIONS
+    mp.start_processes(group_main, args=(world, framework, ports.free_port(), steps, rows, results, options),
                        nprocs=world, start_method="spawn")
     return results.get()
 
@@ -213,10 +218,14 @@ def main() -> None:
     parser.add_argument("--no-idle", action="store_true", help="skip the 16 idle workers row")
     parser.add_argument("--zmq", action="append", default=[], metavar="KEY=VALUE",
                         help="a ZmqRpcBackendOptions field for zmqautograd's groups (numbers), e.g. spin=0")
+    parser.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE",
+                        help="also run zmqautograd with these options (B) and print B/A")
     args = parser.parse_args()
-    for item in args.zmq:
-        key, _, value = item.partition("=")
-        ZMQ_OPTIONS[key] = float(value)
+    for options, items in ((ZMQ_OPTIONS, args.zmq), (AB_OPTIONS, args.ab)):
+        for item in items:
+            key, _, value = item.partition("=")
+            options[key] = float(value)
+    frameworks = ("tp", "zmq", "zmq-b") if AB_OPTIONS else ("tp", "zmq")
 
     plans: dict[int, list] = {}
     plans.setdefault(2, []).append(("one hop", 1))
@@ -234,25 +243,32 @@ def main() -> None:
     samples: dict = {}
     for world in sorted(plans):
         for _ in range(args.launches):
-            for framework in ("tp", "zmq"):  # taking turns, so both see the same machine
+            for framework in frameworks:  # taking turns, so all see the same machine
                 found = launch(world, framework, args.steps, plans[world])
                 for row, value in found.items():
                     samples.setdefault((row, framework), []).append(value)
+    if AB_OPTIONS:
+        print("B: zmqautograd with " + ", ".join(f"{k}={v:g}" for k, v in AB_OPTIONS.items()))
+    b_head = f"   {'B':>10} {'B/A':>6}   {'CPU/step B':>11} {'B/A':>6}" if AB_OPTIONS else ""
     print(f"\n{'row':<14} {'TensorPipe':>12} {'zmqautograd':>12} {'ratio':>7}   "
-          f"{'CPU/step TP':>12} {'CPU/step ours':>13} {'ratio':>7}")
+          f"{'CPU/step TP':>12} {'CPU/step ours':>13} {'ratio':>7}{b_head}")
     for world in sorted(plans):
         for row in plans[world]:
             tp = [statistics.median(v) for v in zip(*samples[(row, "tp")])]
             ours = [statistics.median(v) for v in zip(*samples[(row, "zmq")])]
+            b = [statistics.median(v) for v in zip(*samples[(row, "zmq-b")])] if AB_OPTIONS else None
             kind, value = row
             name = {"one hop": "one hop", "fan-out": f"fan-out {value}", "chain": f"chain {value}",
                     "threads": f"{value} threads", "idle": f"idle {value}"}[kind]
             if kind == "idle":
+                b_idle = f"   {'(10 s)':>10} {'':>6}   {b[1]:>10.2f}s {b[1] / ours[1]:>5.2f}x" if b else ""
                 print(f"{name:<14} {'(10 s)':>12} {'(10 s)':>12} {'':>7}   {tp[1]:>11.2f}s {ours[1]:>12.2f}s "
-                      f"{ours[1] / tp[1]:>6.2f}x")
+                      f"{ours[1] / tp[1]:>6.2f}x{b_idle}")
                 continue
+            b_step = (f"   {b[0] * 1e6:>8.0f}us {b[0] / ours[0]:>5.2f}x   {b[1] * 1e3:>9.2f}ms "
+                      f"{b[1] / ours[1]:>5.2f}x") if b else ""
             print(f"{name:<14} {tp[0] * 1e6:>10.0f}us {ours[0] * 1e6:>10.0f}us {ours[0] / tp[0]:>6.2f}x   "
-                  f"{tp[1] * 1e3:>10.2f}ms {ours[1] * 1e3:>11.2f}ms {ours[1] / tp[1]:>6.2f}x", flush=True)
+                  f"{tp[1] * 1e3:>10.2f}ms {ours[1] * 1e3:>11.2f}ms {ours[1] / tp[1]:>6.2f}x{b_step}", flush=True)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,8 @@ class ElasticPool:
         self._last_progress = time.monotonic()
         self._closed = False
         self._serial = 0
+        self.start_failures = 0  # threads the process could not start (_start_thread)
+        self._start_failure_logged = -1e9
         self._receiver: Endpoint | None = None  # the endpoint an idle thread receives from (receive_while_idle)
         self._reader: threading.Thread | None = None  # the idle thread that receives
         self._reader_waiter: AnyWaiter | None = None  # its Waiter, once it sleeps
@@ -275,8 +277,7 @@ class ElasticPool:
             self._waking += 1
             self._reader_waiter.wake()
             return True
-        if len(self._threads) < (self.max_threads if grow_past_size else self.size):
-            self._start_thread()
+        if len(self._threads) < (self.max_threads if grow_past_size else self.size) and self._start_thread():
             return True
         self._watch_soon_locked()
         return False
@@ -286,12 +287,27 @@ class ElasticPool:
             self._watch_asleep = False
             self._watch_wakeup.notify()
 
-    def _start_thread(self) -> None:  # caller holds the lock
+    def _start_thread(self) -> bool:  # caller holds the lock
+        """Whether a thread started. Where the process may start no more (a limit on threads
+        or memory), the queued work waits for the threads there are (back-pressure: the
+        peer's calls queue up instead of failing), and the watchdog tries again."""
         self._serial += 1
         thread = threading.Thread(target=self._run, name=f"{self.name}-{self._serial}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:  # "can't start new thread"
+            self.start_failures += 1
+            now = time.monotonic()
+            if now - self._start_failure_logged > 10:
+                self._start_failure_logged = now
+                log.warning("pool %s could not start a thread (%s; %d so far): its %d threads run the %d "
+                            "queued calls as they finish", self.name, exc, self.start_failures, len(self._threads),
+                            self._work.items)
+            return False
+        # The new thread touches these under the lock we hold: counting it after start is safe.
         self._threads.add(thread)
         self._waking += 1
-        thread.start()
+        return True
 
     def _run(self) -> None:
         _current_pool.pool = self
