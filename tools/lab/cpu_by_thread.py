@@ -1,0 +1,127 @@
+"""Where the CPU of a step goes, by process and by thread: one row of tools/bench_scale.py
+(zmqautograd only), with each thread's CPU seconds (/proc/self/task/TID/stat, utime + stime)
+read before and after the timed loop in every process, divided by the steps. Threads are
+named by role: the driver's threads, the endpoint's I/O and dispatch threads, the pool, the
+timers, libzmq's own (ZMQbg/...).
+
+    python tools/lab/cpu_by_thread.py one-hop|threads:16|fan-out:16|chain:9 [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from tools import bench_scale, ports  # noqa: E402
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _role(name: str) -> str:
+    """A thread's role from its Python or kernel name."""
+    for pattern, role in ((r"^MainThread$", "main"), (r"^driver-", "driver threads"), (r"^zmq-io-", "endpoint I/O"),
+                          (r"^zmq-dispatch-", "endpoint dispatch"), (r"watchdog$", "pool watchdog"),
+                          (r"^rpc-", "pool"), (r"timers", "timers"), (r"^ZMQbg", "libzmq"),
+                          (r"^rref-release", "rref release")):
+        if re.search(pattern, name):
+            return role
+    return name
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds used so far by each role of thread in this process (live threads; the
+    caller compares two readings)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    found: dict[str, float] = collections.defaultdict(float)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue  # it ended meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()
+        seconds = (int(fields[11]) + int(fields[12])) / _TICK
+        found[_role(names.get(int(tid), comm))] += seconds
+    return dict(found)
+
+
+def _group(rank: int, world: int, port: int, row: str, steps: int, results) -> None:
+    rpc, autograd = bench_scale._join(rank, world, "zmq", port)
+    if rank == 0:
+        x = torch.randn(4, bench_scale.WIDTH, requires_grad=True)
+        others = [f"worker{r}" for r in range(1, world)]
+        kind, _, value = row.partition(":")
+        threads = int(value) if kind == "threads" else 1
+
+        ended: list[float] = []  # CPU of driver threads, read by each as it ends (then /proc forgets it)
+
+        def steps_on_thread(count: int) -> None:
+            start = time.thread_time()
+            steps_loop(count)
+            ended.append(time.thread_time() - start)
+
+        def steps_loop(count: int) -> None:
+            for _ in range(count):
+                if kind in ("one-hop", "threads"):
+                    bench_scale.one_hop_step(rpc, autograd, x)
+                elif kind == "fan-out":
+                    bench_scale.fan_out_step(rpc, autograd, x, others)
+                else:
+                    bench_scale.chain_step(rpc, autograd, x, others)
+
+        steps_loop(20)
+        before = [cpu_by_role()] + [rpc.rpc_sync(w, cpu_by_role) for w in others]
+        start = time.perf_counter()
+        count = max(1, steps // threads)
+        workers = [threading.Thread(target=steps_on_thread, args=(count,), name=f"driver-{i}") for i in range(threads)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+        elapsed = time.perf_counter() - start
+        after = [cpu_by_role()] + [rpc.rpc_sync(w, cpu_by_role) for w in others]
+        total = count * threads
+        per_process = []
+        for b, a in zip(before, after):
+            per_process.append({role: (a[role] - b.get(role, 0.0)) / total for role in a})
+        per_process[0]["driver threads"] = sum(ended) / total
+        results.put((elapsed / total, per_process))
+    rpc.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("row", help="one-hop, threads:N, fan-out:N (world N) or chain:N (N processes)")
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    kind, _, value = args.row.partition(":")
+    world = int(value) if kind in ("fan-out", "chain") else 2
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, results), nprocs=world,
+                       start_method="spawn")
+    seconds, per_process = results.get()
+    print(f"{args.row}: {seconds * 1e6:.0f} us per step; CPU per step by process and thread role (ms):")
+    totals: dict[str, float] = collections.defaultdict(float)
+    for rank, roles in enumerate(per_process):
+        shown = ", ".join(f"{role} {ms * 1e3:.2f}" for role, ms in sorted(roles.items(), key=lambda kv: -kv[1]) if ms > 0)
+        print(f"  worker{rank}: {sum(roles.values()) * 1e3:.2f}  ({shown})")
+        for role, ms in roles.items():
+            totals[role] += ms
+    print(f"  all: {sum(totals.values()) * 1e3:.2f}  (" + ", ".join(
+        f"{role} {ms * 1e3:.2f}" for role, ms in sorted(totals.items(), key=lambda kv: -kv[1]) if ms > 0) + ")")
+
+
+if __name__ == "__main__":
+    main()
