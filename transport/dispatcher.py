@@ -10,6 +10,7 @@ from .codec import Envelope, Message
 from .errors import (
     DeviceMapError,
     LocalProtocolError,
+    PeerOverloadedError,
     ProtocolError,
     TransportError,
 )
@@ -74,12 +75,20 @@ class Dispatcher:
 
     def _peer_rejected(self: Endpoint, peer: str, envelope: Envelope) -> None:
         """A peer answered that it could not decode one of our messages."""
+        overloaded = False
         try:
             payload = self.codec.decode_payload(envelope)
-            detail = payload.get("error") if isinstance(payload, dict) else None
+            if isinstance(payload, dict):
+                detail, overloaded = payload.get("error"), payload.get("overloaded") is True
+            else:
+                detail = None
         except ProtocolError:
             detail = None
-        error = LocalProtocolError(f"peer {peer!r} rejected message {envelope.id}: {detail or 'malformed'}")
+        error: TransportError
+        if overloaded:
+            error = PeerOverloadedError(peer, str(detail))
+        else:
+            error = LocalProtocolError(f"peer {peer!r} rejected message {envelope.id}: {detail or 'malformed'}")
         log.warning("endpoint %s: %s", self.identity, error)
         if envelope.id and self._on_send_error is not None:
             self._on_send_error(peer, envelope.id, error)

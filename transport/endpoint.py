@@ -101,8 +101,9 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         codec: the :class:`Codec` for payloads (limits, extensions, device map).
         options: :class:`EndpointOptions`.
         executor: ``executor(function, peer, envelope)`` queues work (from ``peer``: a pool may
-            queue fairly by it) on the embedder's own thread
-            pool. When given, incoming messages are decoded and passed to ``on_message`` on
+            queue fairly by it) on the embedder's own thread pool and returns None; or it
+            refuses the work and returns why (the endpoint answers the message at once, and
+            the sender's call fails with ``PeerOverloadedError`` saying so). When given, incoming messages are decoded and passed to ``on_message`` on
             that pool, handed over by the receiving thread directly: one thread hop fewer than
             through the dispatcher thread, no ordering between messages. It must not block.
             A pool that waits in :meth:`wait_until` while idle receives the requests it runs
@@ -138,7 +139,7 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         on_send_error: Callable[[str, int, TransportError], None] | None = None,
         codec: Codec | None = None,
         options: EndpointOptions | None = None,
-        executor: Callable[..., None] | None = None,
+        executor: Callable[..., str | None] | None = None,
         on_envelope: Callable[[str, Envelope], bool] | None = None,
         faults: FaultPolicy | None = None,
         inline_handlers: bool = False,

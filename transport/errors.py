@@ -53,6 +53,11 @@ class PeerDepartedError(PeerLostError):
     """The peer said goodbye: it closed its endpoint (it shut down) rather than failing."""
 
 
+class PeerOverloadedError(PeerError):
+    """The peer refused a call of ours without running it: too many of our calls already wait
+    there (its bound on queued calls per caller). Retrying later may succeed."""
+
+
 class InjectedFaultError(PeerError):
     """A send failed on purpose: fault injection (``transport.faults``) asked for it."""
 

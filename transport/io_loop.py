@@ -521,7 +521,9 @@ class IoThread:
         elif self._inline is not None:
             self._inline.append((self._deliver, (peer, envelope)))
         elif self._executor is not None:
-            self._executor(self._deliver, peer, envelope)
+            refusal = self._executor(self._deliver, peer, envelope)
+            if refusal is not None:
+                self._refuse(record.routing_id, peer, envelope, refusal)
         else:
             self._to_dispatcher(self._deliver, (peer, envelope))
 
@@ -539,6 +541,24 @@ class IoThread:
             self._router.send_multipart([routing_id, *reply], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the sender is already gone; nothing more to tell
+
+    def _refuse(self: Endpoint, routing_id: bytes, peer: str, envelope: Envelope, reason: str) -> None:
+        """The executor refused a message (``reason``: its words): answer it at once, on the
+        receiving thread, so that the refusal waits behind nothing and holds no memory. The
+        sender fails that call with :class:`PeerOverloadedError`."""
+        with self._lock:
+            stats = self._stats.setdefault(peer, PeerStats())
+            stats.refused += 1
+            refused = stats.refused
+        if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, 8th... : a flood logs a few lines
+            log.warning("endpoint %s: refused %s from %s (%d so far): %s", self.identity, envelope.type.name, peer,
+                        refused, reason)
+        reply = self.codec.encode(Message(MessageType.PROTOCOL_ERROR, envelope.id, self.identity,
+                                          {"error": reason[:4096], "type": envelope.type.name, "overloaded": True}))
+        try:
+            self._router.send_multipart([routing_id, *reply], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the sender is gone, or its queue is full: its call times out instead
 
     def _protocol_error_message(self: Endpoint, envelope: Envelope | None, exc: Exception) -> Message:
         """The PROTOCOL_ERROR answer to a message we could not read (the envelope, if it was)."""

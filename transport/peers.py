@@ -79,6 +79,7 @@ class PeerStats:
     bytes_received: int = 0
     send_errors: int = 0
     protocol_errors: int = 0
+    refused: int = 0  # messages of its that our executor refused (too many queued: PeerOverloadedError)
     heartbeats_sent: int = 0
     heartbeats_received: int = 0
     buffers_lent: int = 0  # big buffers the peer read from our memory instead (transport/lending.py)

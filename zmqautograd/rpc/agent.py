@@ -19,8 +19,10 @@ from typing import Any, Callable
 import torch
 
 from zmqautograd.transport import (
+    Envelope,
     Extension,
     FaultPolicy,
+    MessageType,
     PeerDepartedError,
     PeerLostError,
     cuda_ipc,
@@ -58,6 +60,9 @@ EXT_RREF = 18
 
 
 _WORKER_NAME = re.compile(r"[A-Za-z0-9\-_:]+")
+# Calls a worker may refuse when too many from one peer wait (Agent._queue_call). A refused
+# remote() or forward-autograd call fails on the caller as a failed send does.
+_REFUSABLE = frozenset({MessageType.PYTHON_CALL, MessageType.PYTHON_REMOTE_CALL, MessageType.FORWARD_AUTOGRAD_REQ})
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class Agent(Calling, Answers, Serving):
         self.codec = _make_codec(options.allow_pickle, CallablePolicy(options.allowed_functions))
         self.codec.max_message_bytes = options.max_message_bytes
         self.misdirected_answers = 0  # answers from a peer other than the one asked (dropped)
+        self._max_queued_calls = options.max_queued_calls
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}", init_thread=adopt_torch_thread_settings)
         self.rrefs = RRefContext(self)
         # What the layers above add to calls (distributed autograd: rpc/hooks.py).
@@ -123,7 +129,7 @@ class Agent(Calling, Answers, Serving):
             ),
             # Requests go from the thread that received them straight to the pool that runs
             # them, and a response to rpc_sync straight to the thread that waits for it.
-            executor=self.pool.submit_from,
+            executor=self._queue_call,
             on_envelope=self._route_to_waiter,
             faults=FaultPolicy.from_env(options.fault_options()),
             membership=self.membership,
@@ -315,6 +321,21 @@ class Agent(Calling, Answers, Serving):
         tensors sent to ``to`` (its devices -> ``to``'s); empty when none is set."""
         name = self.worker_info(to).name
         return dict((self.options.device_maps or {}).get(name, {}))
+
+    def _queue_call(self, function: Callable, peer: str, envelope: Envelope) -> str | None:
+        """The endpoint's executor: queue a message for the pool, fairly by peer; a call from
+        a peer with ``max_queued_calls`` calls waiting here already is refused instead (the
+        reason is returned; the endpoint answers it at once and the caller's call fails with
+        ``PeerOverloadedError``): a flooding peer gets an error, not this worker's memory.
+        Only calls are refused (never answers, backward passes or RRef bookkeeping)."""
+        bound = self._max_queued_calls
+        if bound and envelope.type in _REFUSABLE and self.pool.queued_from(peer) >= bound:
+            info = self.workers_by_id.get(int(peer)) if peer.isdigit() else None
+            caller = info.name if info is not None else repr(peer)
+            return (f"{self.info.name} refused a call from {caller}: {bound} calls of {caller}'s already wait "
+                    f"there to run (max_queued_calls)")
+        self.pool.submit_from(function, peer, envelope)
+        return None
 
     def get_worker_infos(self) -> list[WorkerInfo]:
         """Every worker of the group, by id (torch's ``RpcAgent.get_worker_infos``)."""

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from zmqautograd.transport.errors import PeerLostError, TransportError  # noqa: F401  (re-exported)
+from zmqautograd.transport.errors import PeerLostError, PeerOverloadedError, TransportError  # noqa: F401  (re-exported)
 
 
 class RpcError(RuntimeError):

@@ -66,6 +66,11 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
         max_queued_bytes: a peer that does not read what this worker sends it is dropped
             (lost, with an error that says so) once this many bytes of big messages wait for
             it (0: no bound; also at most 65,536 messages wait for any peer).
+        max_queued_calls: calls from one peer that may wait here for a pool thread; beyond
+            that, its calls are refused at once, without being run or kept, and fail on its
+            side with ``PeerOverloadedError`` naming this worker (0: no bound). A peer that
+            floods this worker gets errors instead of this worker's memory; calls from other
+            peers are served in turn meanwhile (the pool takes work round-robin by peer).
         cluster_secret: the rendezvous records are signed with it, and a forged one is
             refused (env ZMQAUTOGRAD_CLUSTER_SECRET; at least 16 bytes).
         encrypt: True (the default): every worker has a CURVE key pair of its own, made at
@@ -119,6 +124,7 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
     allow_pickle: bool | None = None
     max_message_bytes: int = 1 << 34
     max_queued_bytes: int = 1 << 32
+    max_queued_calls: int = 1 << 16
     cluster_secret: str | None = field(default=None, repr=False)
     encrypt: bool = True
     allowed_functions: Any = None
@@ -151,6 +157,8 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
                                 f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__qualname__}")
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if self.max_queued_calls < 0:
+            raise ValueError(f"max_queued_calls must be >= 0 (0: no bound), got {self.max_queued_calls}")
         if self.cuda_ipc and not self.lend_min:
             # Which workers share this host is what lending finds out (transport/lending.py).
             raise ValueError("cuda_ipc needs lend_min > 0: lending is how workers learn they share a host")

@@ -164,6 +164,11 @@ class ElasticPool:
             if self._reader is not threading.current_thread():  # the reader takes what it received
                 self._dispatch_locked(time.monotonic(), grow_past_size=False)
 
+    def queued_from(self, peer: str) -> int:
+        """How much work from ``peer`` waits for a thread (a hint: it may change at once)."""
+        queue = self._work._queues.get(peer)
+        return len(queue) if queue is not None else 0
+
     def has_work(self) -> bool:
         """Whether work waits for a thread (a hint: it may change at once)."""
         return bool(self._work)
