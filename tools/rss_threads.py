@@ -88,6 +88,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--trace", action="store_true", help="print every sample (one every 2 s)")
     args = parser.parse_args()
     results = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(group_main, args=(ports.free_port(), args.threads, args.seconds, args.warmup, results),
@@ -97,6 +98,8 @@ def main() -> int:
     first, last = samples[0], samples[-1]
     print(f"{args.threads} threads, {args.seconds:.0f} s after {args.warmup:.0f} s of warm-up: {calls} calls "
           f"({calls / args.seconds:.0f}/s)")
+    if args.trace:
+        print("  samples (MiB, driver/worker): " + " ".join(f"{d / mib:.1f}/{w / mib:.1f}" for d, w in samples))
     for name, i in (("driver", 0), ("worker", 1)):
         peak = max(s[i] for s in samples)
         print(f"  {name}: RSS {first[i] / mib:.1f} MiB -> {last[i] / mib:.1f} MiB (peak {peak / mib:.1f} MiB), "
