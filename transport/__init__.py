@@ -25,6 +25,6 @@ from .faults import FaultPolicy
 __all__ = [
     "PROTOCOL_VERSION", "FaultPolicy", "Codec", "Envelope", "Extension", "ExtensionNotDecoded", "Message", "MessageType",
     "DeviceMapError", "EndpointClosedError", "InjectedFaultError", "LocalProtocolError", "MessageTooLargeError",
-    "PeerDepartedError", "PeerError", "PeerLostError", "PeerOverloadedError", "ProtocolError", "RemoteProtocolError", "TransportError",
-    "UnknownPeerError",
+    "PeerDepartedError", "PeerError", "PeerLostError", "PeerOverloadedError", "ProtocolError", "RemoteProtocolError",
+    "TransportError", "UnknownPeerError",
 ]

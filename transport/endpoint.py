@@ -103,9 +103,10 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         executor: ``executor(function, peer, envelope)`` queues work (from ``peer``: a pool may
             queue fairly by it) on the embedder's own thread pool and returns None; or it
             refuses the work and returns why (the endpoint answers the message at once, and
-            the sender's call fails with ``PeerOverloadedError`` saying so). When given, incoming messages are decoded and passed to ``on_message`` on
-            that pool, handed over by the receiving thread directly: one thread hop fewer than
-            through the dispatcher thread, no ordering between messages. It must not block.
+            the sender's call fails with ``PeerOverloadedError`` saying so). When given,
+            incoming messages are decoded and passed to ``on_message`` on that pool, handed
+            over by the receiving thread directly: one thread hop fewer than through the
+            dispatcher thread, no ordering between messages. It must not block.
             A pool that waits in :meth:`wait_until` while idle receives the requests it runs
             itself (``ElasticPool.receive_while_idle``).
         on_envelope: called on the receiving thread (the I/O thread or a waiting one, holding
