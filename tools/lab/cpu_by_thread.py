@@ -1,10 +1,10 @@
 """Where the CPU of a step goes, by process and by thread: one row of tools/bench_scale.py
-(zmqautograd only), with each thread's CPU seconds (/proc/self/task/TID/stat, utime + stime)
-read before and after the timed loop in every process, divided by the steps. Threads are
-named by role: the driver's threads, the endpoint's I/O and dispatch threads, the pool, the
+(zmqautograd, or TensorPipe with ``--framework tp``), with each thread's CPU seconds (/proc/self/task/TID/stat, utime + stime)
+read before and after the timed loop in every process, divided by the steps, and the times
+threads went to sleep per step (voluntary context switches). Threads are named by role: the driver's threads, the endpoint's I/O and dispatch threads, the pool, the
 timers, libzmq's own (ZMQbg/...).
 
-    python tools/lab/cpu_by_thread.py one-hop|threads:16|fan-out:16|chain:9 [--steps 200]
+    python tools/lab/cpu_by_thread.py one-hop|threads:16|fan-out:16|chain:9 [--steps 200] [--framework tp]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import collections
 import os
 import re
+import resource
 import sys
 import threading
 import time
@@ -38,27 +39,33 @@ def _role(name: str) -> str:
     return name
 
 
-def cpu_by_role() -> dict[str, float]:
+def cpu_by_role(skip: frozenset[int] = frozenset()) -> dict[str, float]:
     """CPU seconds used so far by each role of thread in this process (live threads; the
-    caller compares two readings)."""
+    caller compares two readings), and under "sleeps" the times its threads went to sleep
+    (voluntary context switches: each is a wake-up later)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     found: dict[str, float] = collections.defaultdict(float)
     for tid in os.listdir("/proc/self/task"):
+        if int(tid) in skip:
+            continue  # an ended driver thread on its way out (counted by itself)
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 stat = f.read()
             with open(f"/proc/self/task/{tid}/comm") as f:
                 comm = f.read().strip()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = f.read()
         except OSError:
             continue  # it ended meanwhile
         fields = stat[stat.rindex(")") + 2:].split()
         seconds = (int(fields[11]) + int(fields[12])) / _TICK
         found[_role(names.get(int(tid), comm))] += seconds
+        found["sleeps"] += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
     return dict(found)
 
 
-def _group(rank: int, world: int, port: int, row: str, steps: int, results) -> None:
-    rpc, autograd = bench_scale._join(rank, world, "zmq", port)
+def _group(rank: int, world: int, port: int, row: str, steps: int, framework: str, results) -> None:
+    rpc, autograd = bench_scale._join(rank, world, framework, port)
     if rank == 0:
         x = torch.randn(4, bench_scale.WIDTH, requires_grad=True)
         others = [f"worker{r}" for r in range(1, world)]
@@ -66,11 +73,13 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, results) -> N
         threads = int(value) if kind == "threads" else 1
 
         ended: list[float] = []  # CPU of driver threads, read by each as it ends (then /proc forgets it)
+        slept: list[int] = []  # and their sleeps
 
         def steps_on_thread(count: int) -> None:
-            start = time.thread_time()
+            start, sleeps = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
             steps_loop(count)
             ended.append(time.thread_time() - start)
+            slept.append(resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - sleeps)
 
         def steps_loop(count: int) -> None:
             for _ in range(count):
@@ -91,12 +100,14 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, results) -> N
         for t in workers:
             t.join()
         elapsed = time.perf_counter() - start
-        after = [cpu_by_role()] + [rpc.rpc_sync(w, cpu_by_role) for w in others]
+        after = [cpu_by_role(frozenset(t.native_id for t in workers if t.native_id is not None))] + [
+            rpc.rpc_sync(w, cpu_by_role) for w in others]
         total = count * threads
         per_process = []
         for b, a in zip(before, after):
             per_process.append({role: (a[role] - b.get(role, 0.0)) / total for role in a})
         per_process[0]["driver threads"] = sum(ended) / total
+        per_process[0]["sleeps"] += sum(slept) / total
         results.put((elapsed / total, per_process))
     rpc.shutdown()
 
@@ -105,22 +116,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("row", help="one-hop, threads:N, fan-out:N (world N) or chain:N (N processes)")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--framework", choices=["zmq", "tp"], default="zmq", help="tp: TensorPipe, for comparison")
     args = parser.parse_args()
     kind, _, value = args.row.partition(":")
     world = int(value) if kind in ("fan-out", "chain") else 2
     results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, results), nprocs=world,
+    mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.framework, results), nprocs=world,
                        start_method="spawn")
     seconds, per_process = results.get()
     print(f"{args.row}: {seconds * 1e6:.0f} us per step; CPU per step by process and thread role (ms):")
     totals: dict[str, float] = collections.defaultdict(float)
     for rank, roles in enumerate(per_process):
+        sleeps = roles.pop("sleeps", 0.0)
         shown = ", ".join(f"{role} {ms * 1e3:.2f}" for role, ms in sorted(roles.items(), key=lambda kv: -kv[1]) if ms > 0)
-        print(f"  worker{rank}: {sum(roles.values()) * 1e3:.2f}  ({shown})")
+        print(f"  worker{rank}: {sum(roles.values()) * 1e3:.2f}  ({shown}); {sleeps:.1f} sleeps per step")
         for role, ms in roles.items():
             totals[role] += ms
+        totals["sleeps"] += sleeps
+    sleeps = totals.pop("sleeps")
     print(f"  all: {sum(totals.values()) * 1e3:.2f}  (" + ", ".join(
-        f"{role} {ms * 1e3:.2f}" for role, ms in sorted(totals.items(), key=lambda kv: -kv[1]) if ms > 0) + ")")
+        f"{role} {ms * 1e3:.2f}" for role, ms in sorted(totals.items(), key=lambda kv: -kv[1]) if ms > 0)
+        + f"); {sleeps:.1f} sleeps per step")
 
 
 if __name__ == "__main__":
