@@ -26,11 +26,12 @@ import argparse
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+import ports  # tools/ports.py (this script's folder is first on sys.path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = {"hop": 2, "fanout": 4}  # workload: processes
@@ -42,12 +43,6 @@ OPTIONS = dict(spin=0.0, busy_poll=0.0, rpc_timeout=600, peer_timeout=300, heart
 # ------------------------------------------------------------- inside a measured process
 
 
-def _layer(x):
-    import torch
-
-    return torch.tanh(x * 1.5)
-
-
 def _worker(rank: int, world: int, port: int, workload: str, steps: int) -> None:
     """One process of the group. The driver (rank 0) talks to the controller on its standard
     streams: "warm" once warmed up, then waits for a line, runs the steps, says "done"."""
@@ -56,24 +51,24 @@ def _worker(rank: int, world: int, port: int, workload: str, steps: int) -> None
     import zmqautograd.autograd as autograd
     import zmqautograd.rpc as rpc
 
+    # The steps of tools/bench_scale.py (imported after zmqautograd: it puts this repository
+    # first on sys.path, and zmqautograd must come from the tree under test).
+    import bench_scale
+
     torch.set_num_threads(1)
     options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **OPTIONS)  # type: ignore[arg-type]
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     if rank == 0:
         import zmqautograd
 
-        x = torch.randn(4, 16, requires_grad=True)
+        x = torch.randn(4, bench_scale.WIDTH, requires_grad=True)
         workers = [f"worker{r}" for r in range(1, world)]
 
         def step() -> None:
-            with autograd.context() as context_id:
-                if workload == "hop":
-                    total = rpc.rpc_sync(workers[0], _layer, args=(x,)).sum()
-                else:
-                    futures = [rpc.rpc_async(w, _layer, args=(x,)) for w in workers]
-                    total = torch.stack([f.wait() for f in futures]).sum()
-                autograd.backward(context_id, [total])
-                autograd.get_gradients(context_id)
+            if workload == "hop":
+                bench_scale.one_hop_step(rpc, autograd, x)
+            else:
+                bench_scale.fan_out_step(rpc, autograd, x, workers)
 
         for _ in range(WARMUP):
             step()
@@ -87,12 +82,6 @@ def _worker(rank: int, world: int, port: int, workload: str, steps: int) -> None
 
 
 # ------------------------------------------------------------------- the controller
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _callgrind_control(switch: str, pids: list[int]) -> None:
@@ -113,7 +102,7 @@ def _totals(path: str) -> int:
 
 def measure(tree: str, workload: str, steps: int, out: str) -> list[int]:
     """Instructions per step of each process (driver first) of one group run from ``tree``."""
-    world, port = WORKLOADS[workload], _free_port()
+    world, port = WORKLOADS[workload], ports.free_port()
     env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
     processes = []
     try:

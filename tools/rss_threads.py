@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from tools import ports  # noqa: E402
+from tools import bench_scale, ports  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -29,24 +29,14 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def layer(x: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(x * 1.5)
-
-
-def _drive(seconds: float, threads: int, samples: list, counts: list, errors: list) -> None:
-    import zmqautograd.autograd as autograd
-    import zmqautograd.rpc as rpc
-
-    x = torch.randn(4, 16, requires_grad=True)
+def _drive(rpc, autograd, seconds: float, threads: int, samples: list, counts: list, errors: list) -> None:
+    x = torch.randn(4, bench_scale.WIDTH, requires_grad=True)
     stop = time.monotonic() + seconds
 
     def run(index: int) -> None:
         try:
             while time.monotonic() < stop:
-                with autograd.context() as context_id:
-                    y = rpc.rpc_sync("worker1", layer, args=(x,))
-                    autograd.backward(context_id, [y.sum()])
-                    autograd.get_gradients(context_id)
+                bench_scale.one_hop_step(rpc, autograd, x)
                 rpc.rpc_async("worker1", torch.add, args=(x.detach(), 1)).wait()
                 counts[index] += 2
         except BaseException as exc:  # noqa: BLE001 - reported by the driver
@@ -67,18 +57,14 @@ def _drive(seconds: float, threads: int, samples: list, counts: list, errors: li
 
 
 def group_main(rank: int, port: int, threads: int, seconds: float, warmup: float, results) -> None:
-    import zmqautograd.rpc as rpc
-
-    torch.set_num_threads(1)
-    options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+    rpc, autograd = bench_scale._join(rank, 2, "zmq", port)
     if rank == 0:
         errors: list = []
-        _drive(warmup, threads, [], [0] * threads, errors)
+        _drive(rpc, autograd, warmup, threads, [], [0] * threads, errors)
         samples: list = []
         counts = [0] * threads
         if not errors:
-            _drive(seconds, threads, samples, counts, errors)
+            _drive(rpc, autograd, seconds, threads, samples, counts, errors)
         results.put((samples, sum(counts), [repr(e) for e in errors]))
     rpc.shutdown()
 

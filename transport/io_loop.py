@@ -536,11 +536,15 @@ class IoThread:
             self._stats.setdefault(peer, PeerStats()).protocol_errors += 1
         if envelope is not None and envelope.type in _CONTROL_TYPES:
             return  # never answer a control message with another: two broken peers could loop
-        reply = self.codec.encode(self._protocol_error_message(envelope, exc))
+        self._answer_at_once(routing_id, self._protocol_error_message(envelope, exc))
+
+    def _answer_at_once(self: Endpoint, routing_id: bytes, message: Message) -> None:
+        """Send ``message`` straight on the ROUTER from the receiving thread (socket lock
+        held): answers to what we will not take, which must wait behind nothing."""
         try:
-            self._router.send_multipart([routing_id, *reply], flags=zmq.NOBLOCK)
+            self._router.send_multipart([routing_id, *self.codec.encode(message)], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
-            pass  # the sender is already gone; nothing more to tell
+            pass  # the sender is gone, or its queue is full: its call times out instead
 
     def _refuse(self: Endpoint, routing_id: bytes, peer: str, envelope: Envelope, reason: str) -> None:
         """The executor refused a message (``reason``: its words): answer it at once, on the
@@ -553,12 +557,8 @@ class IoThread:
         if refused & (refused - 1) == 0:  # the 1st, 2nd, 4th, 8th... : a flood logs a few lines
             log.warning("endpoint %s: refused %s from %s (%d so far): %s", self.identity, envelope.type.name, peer,
                         refused, reason)
-        reply = self.codec.encode(Message(MessageType.PROTOCOL_ERROR, envelope.id, self.identity,
-                                          {"error": reason[:4096], "type": envelope.type.name, "overloaded": True}))
-        try:
-            self._router.send_multipart([routing_id, *reply], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the sender is gone, or its queue is full: its call times out instead
+        self._answer_at_once(routing_id, Message(MessageType.PROTOCOL_ERROR, envelope.id, self.identity,
+                                                 {"error": reason[:4096], "type": envelope.type.name, "overloaded": True}))
 
     def _protocol_error_message(self: Endpoint, envelope: Envelope | None, exc: Exception) -> Message:
         """The PROTOCOL_ERROR answer to a message we could not read (the envelope, if it was)."""

@@ -91,6 +91,11 @@ class _FairQueue(deque):
         queue.append(item)
         self.items += 1
 
+    def queued(self, peer: Any) -> int:
+        """How many items of ``peer``'s wait."""
+        queue = self._queues.get(peer)
+        return len(queue) if queue is not None else 0
+
     def popleft(self) -> tuple:
         peer = self[0]
         queue = self._queues[peer]
@@ -166,8 +171,7 @@ class ElasticPool:
 
     def queued_from(self, peer: str) -> int:
         """How much work from ``peer`` waits for a thread (a hint: it may change at once)."""
-        queue = self._work._queues.get(peer)
-        return len(queue) if queue is not None else 0
+        return self._work.queued(peer)
 
     def has_work(self) -> bool:
         """Whether work waits for a thread (a hint: it may change at once)."""
