@@ -629,6 +629,68 @@ def test_pool_threads_use_the_intra_op_thread_count_set_before_init_rpc():
         assert served == count and nested == count, got
 
 
+def test_a_call_with_rrefs_from_a_peer_that_finished_init_rpc_first_waits_for_ours():
+    """A peer whose init_rpc returns first may call us before ours has published the agent.
+    A call holding torch's RemoteModule (whose unpickling deserializes its RRef through the
+    current agent: ``RRef._deserialize``) then waits for it instead of failing with "Current
+    RPC agent is not set" (seen in CI with examples/hybrid_parallel.py). Worker 1 is held
+    between connecting and publishing until the call arrived (decoded, or waiting to be)."""
+    got = dict((rank, outcome) for rank, outcome in _run_pair(_early_caller_or_late_callee, 2))
+    assert got == {0: ("ok", [[2.0, 2.0]], [1.0, 1.0]), 1: ("ok", None, None)}, got
+
+
+def _early_caller_or_late_callee(rank, init_method, results):
+    try:
+        from zmqautograd.torch_alias import install_as_torch_rpc
+
+        install_as_torch_rpc()  # torch's RemoteModule, on our RPC
+        from torch.distributed.nn import RemoteModule
+
+        if rank == 1:
+            _hold_publishing_until_a_call_arrives()
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=2,
+                     rpc_backend_options=rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=30))
+        outcome = ("ok", None, None)
+        if rank == 0:
+            remote_module = RemoteModule("w0/cpu", torch.nn.Identity)
+            forward = rpc.rpc_async("w1", f.remote_module_forward, args=(remote_module, torch.full((1, 2), 2.0)))
+            direct = rpc.rpc_async("w1", f.rref_to_here, args=(rpc.RRef(torch.ones(2)),))
+            outcome = ("ok", forward.wait().tolist(), direct.wait().tolist())
+            del remote_module
+        rpc.shutdown()
+        results.put((rank, outcome))
+    except BaseException as exc:
+        results.put((rank, ("error", repr(exc), None)))
+
+
+def _hold_publishing_until_a_call_arrives():
+    from zmqautograd.rpc.agent import Agent
+    from zmqautograd.transport.codec import Codec, MessageType
+
+    arrived = threading.Event()
+
+    class SignallingEvent(threading.Event):
+        def wait(self, timeout=None):
+            arrived.set()  # a call waits for this agent to be published
+            return super().wait(timeout)
+
+    decode, set_members = Codec.decode_payload, Agent._set_members
+
+    def decode_payload(self, envelope, *args, **kwargs):
+        try:
+            return decode(self, envelope, *args, **kwargs)
+        finally:
+            if envelope.type is MessageType.PYTHON_CALL:
+                arrived.set()  # a call was decoded (or failed to be)
+
+    def held_set_members(self, members):
+        self._serving = SignallingEvent()
+        set_members(self, members)
+        assert arrived.wait(30), "the early call never arrived"
+
+    Codec.decode_payload, Agent._set_members = decode_payload, held_set_members
+
+
 def _run_group(specs, timeout=20):
     init_method = f"tcp://127.0.0.1:{free_port()}"
     return dict(spawn_and_collect(_join, [(*spec, init_method, timeout) for spec in specs]))

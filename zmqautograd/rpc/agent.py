@@ -43,6 +43,7 @@ from .hooks import CallHooks, make_call_hooks
 from .options import ZmqRpcBackendOptions
 from .pool import ElasticPool
 from .membership import DynamicGroup
+from .message_types import REQUEST_TYPES
 from .rendezvous import Member, Rendezvous, advertise_address
 from .rref import RRef
 from .rref_context import RRefContext
@@ -144,7 +145,7 @@ class Agent(Calling, Answers, Serving):
         self._done_waiters = 0  # threads in wait_outstanding
         self._stopping = False
         # Peers that finish init_rpc first may call us before our init_rpc has published this
-        # agent; their calls wait here until it has (see start_serving).
+        # agent; their calls wait until it has (_decoded_once_serving, start_serving).
         self._serving = threading.Event()
         self._arrivals: dict[int, torch.futures.Future] = {}  # the leader's shutdown barrier
         self._barrier_ids: set[int] = set()  # our own pending barrier call
@@ -334,8 +335,19 @@ class Agent(Calling, Answers, Serving):
             caller = info.name if info is not None else repr(peer)
             return (f"{self.info.name} refused a call from {caller}: {bound} calls of {caller}'s already wait "
                     f"there to run (max_queued_calls)")
+        if not self._serving.is_set() and envelope.type in REQUEST_TYPES:
+            function = self._decoded_once_serving(function)
         self.pool.submit_from(function, peer, envelope)
         return None
+
+    def _decoded_once_serving(self, deliver: Callable[[str, Envelope], None]) -> Callable[[str, Envelope], None]:
+        """A request from a peer that finished init_rpc before us is decoded (on its pool
+        thread) once our init_rpc has published this agent: its payload may hold RRefs, and
+        unpickling one needs the current agent."""
+        def deliver_once_serving(peer: str, envelope: Envelope) -> None:
+            self._serving.wait(self.endpoint.options.connect_timeout)
+            deliver(peer, envelope)
+        return deliver_once_serving
 
     def get_worker_infos(self) -> list[WorkerInfo]:
         """Every worker of the group, by id (torch's ``RpcAgent.get_worker_infos``)."""

@@ -63,8 +63,6 @@ class Serving:
 
     def _serve(self: Agent, message: Message) -> None:
         """Run a call on a pool thread and send its result or exception back."""
-        if not self._serving.is_set():
-            self._serving.wait(self.endpoint.options.connect_timeout)
         served = self._run_call(message)
         if served is not None:
             try:
