@@ -87,9 +87,17 @@ class ForkserverWorkers(MultiProcessTestCase):
     """torch's multi-process test case, its workers forked from a forkserver that imported
     the test module (torch's starts each by spawn)."""
 
+    # Environment variables set in each worker before its test runs (a suite's settings).
+    worker_environment: dict[str, str] = {}
+
     def setUp(self):
         super().setUp()
         self._spawn_processes()
+
+    @classmethod
+    def _run(cls, rank: int, test_name: str, file_name: str, parent_pipe, **kwargs) -> None:
+        os.environ.update(cls.worker_environment)
+        super()._run(rank, test_name, file_name, parent_pipe, **kwargs)
 
     def _spawn_processes(self) -> None:
         if "Cuda" in type(self).__name__:
@@ -104,13 +112,14 @@ class ForkserverWorkers(MultiProcessTestCase):
 
 def suites(module_name: str, classes: list[type], not_applicable: dict[str, str],
            known_gaps: dict[str, str] | None = None, slow_gaps: frozenset[str] = frozenset(),
-           fixture: type = ZmqAgentTestFixture) -> dict[str, type]:
+           fixture: type = ZmqAgentTestFixture, worker_environment: dict[str, str] | None = None) -> dict[str, type]:
     """One test class per torch class, named ``Zmq<name>``, for the test module's globals.
     ``not_applicable`` (name -> reason): skipped with their reason. ``known_gaps`` (name ->
-    what differs): expected to fail; those also in ``slow_gaps`` skipped instead."""
+    what differs): expected to fail; those also in ``slow_gaps`` skipped instead.
+    ``worker_environment``: set in every worker of these classes before its test runs."""
     made = {}
     for test_class in classes:
-        marked = {}
+        marked: dict = {"worker_environment": dict(worker_environment or {})}
         for name, reason in not_applicable.items():
             if hasattr(test_class, name):
                 marked[name] = unittest.skip(f"not applicable: {reason}")(getattr(test_class, name))

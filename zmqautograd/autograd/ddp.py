@@ -79,6 +79,44 @@ def _note(module: Any) -> None:
             _owner[id(param)] = (weakref.ref(param), ref)
             weakref.finalize(param, _owner.pop, id(param), None)
         _locks[module] = threading.Lock()
+    _GroupKeeper.keep(module)
+
+
+class _GroupKeeper:
+    """Keeps a DDP module's process group alive until its reducer (and logger) are gone, so
+    that the group's last reference is this one, not the reducer's.
+
+    PyTorch's ``Reducer`` holds the group in C++ and is freed with the GIL held; when it holds
+    the last reference (``destroy_process_group`` was called, then the module is freed), gloo's
+    destructor joins its worker threads under the GIL, and a worker thread that is freeing a
+    finished collective on a tensor Python made (DDP's ``Join`` starts such all-reduces and does
+    not wait for them) waits for the GIL: the process hangs for good (pytorch/pytorch#56297).
+    The group's Python binding releases the GIL before destroying it, so releasing our
+    reference last, once the reducer's destructor ran (weakref callbacks of a pybind11 object
+    run after its C++ object was freed), lets that worker thread finish."""
+
+    __slots__ = ("group", "holders", "__weakref__")
+    group: Any
+    holders: int  # of the reducer and logger, those not freed yet
+
+    @classmethod
+    def keep(cls, module: Any) -> None:
+        group = getattr(module, "process_group", None)
+        holders = [h for h in (getattr(module, "reducer", None), getattr(module, "logger", None)) if h is not None]
+        if group is None or not holders:
+            return
+        keeper = cls()
+        keeper.group, keeper.holders = group, len(holders)
+        for holder in holders:
+            try:
+                weakref.finalize(holder, keeper.gone)
+            except TypeError:  # not weakly referenceable: no hook, as before
+                keeper.gone()
+
+    def gone(self) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            self.group = None  # (its binding destroys it with the GIL released)
 
 
 def owner_of(variable: torch.Tensor) -> Any:
