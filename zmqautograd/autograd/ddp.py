@@ -95,7 +95,7 @@ class _GroupKeeper:
     reference last, once the reducer's destructor ran (weakref callbacks of a pybind11 object
     run after its C++ object was freed), lets that worker thread finish."""
 
-    __slots__ = ("group", "holders", "__weakref__")
+    __slots__ = ("group", "holders")
     group: Any
     holders: int  # of the reducer and logger, those not freed yet
 
