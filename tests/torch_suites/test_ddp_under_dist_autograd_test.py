@@ -11,8 +11,6 @@ from torch.testing._internal.distributed.ddp_under_dist_autograd_test import (  
     DdpUnderDistAutogradTest,
 )
 
-KNOWN_GAPS: dict[str, str] = {}
-
 # The master's init_process_group may return before a trainer's has (gloo's groups connect
 # pairwise; registering the group comes after), and its next call, rpc.remote to that trainer,
 # makes the trainer run dist.new_group() at once: "Default process group has not been
@@ -22,4 +20,4 @@ KNOWN_GAPS: dict[str, str] = {}
 WORKERS = {"TORCH_DIST_INIT_BARRIER": "1"}
 
 globals().update(suites(__name__, [DdpUnderDistAutogradTest, DdpComparisonTest, CudaDdpComparisonTest], {},
-                        KNOWN_GAPS, slow_gaps=frozenset(KNOWN_GAPS), worker_environment=WORKERS))
+                        worker_environment=WORKERS))
