@@ -80,6 +80,14 @@ def whoami():
     return rpc.get_worker_info().name
 
 
+def ids_made_here() -> tuple[tuple, int]:
+    """The id of an RRef and of a dist autograd context made on this worker now."""
+    import zmqautograd.autograd as dist_autograd
+
+    with dist_autograd.context() as context_id:
+        return tuple(rpc.RRef(torch.zeros(1)).rref_id), context_id
+
+
 def nested_chain(workers, depth):
     """Calls itself on the next worker ``depth`` times, synchronously (holds a pool thread)."""
     if depth == 0:

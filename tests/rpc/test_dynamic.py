@@ -148,6 +148,42 @@ def test_a_member_that_dies_is_lost_and_does_not_hold_up_who_joins_next(cluster)
     assert rpc.rpc_sync("w2", f.whoami) == "w2"
 
 
+def test_a_late_word_that_a_restarted_member_was_lost_does_not_evict_it(cluster):
+    """Every member that loses a worker says so in the group's log, some late: a worker
+    restarted under its name and rank may have joined again meanwhile. A lost event names
+    the incarnation it lost (the number of its join), so the new one stays."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    assert cluster.join(1, "w1")[1] == "joined"
+    (rref_rank, first_rref), first_context = rpc.rpc_sync("w1", f.ids_made_here)
+    process = cluster.processes["w1"][0]
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(10)
+    poll_until(lambda: _names() == ["w0"], 30, "w1 gone from the group")
+    assert cluster.join(1, "w1") == ("w1", "joined", ["w0", "w1"])
+    # Ids the first w1 made may live on elsewhere: the second makes others.
+    (rank_again, second_rref), second_context = rpc.rpc_sync("w1", f.ids_made_here)
+    assert rref_rank == rank_again == 1 and second_rref > first_rref
+    assert second_context >> 48 == first_context >> 48 == 1 and second_context > first_context
+    store = dist.TCPStore("127.0.0.1", int(cluster.init_method.rsplit(":", 1)[1]), is_master=False,
+                          timeout=timedelta(seconds=10), wait_for_workers=False, multi_tenant=True)
+    events = [json.loads(store.get(f"zmqautograd/dynamic/event/{n}")) for n in range(1, 5)]
+    first_join = next(n for n, e in enumerate(events, 1) if e["op"] == "join" and e["name"] == "w1")
+    assert {"op": "lost", "rank": 1, "join": first_join} in events  # w0's word, about the first w1
+    # Another member's word about the first w1, arriving after the second joined.
+    late = json.dumps({"op": "lost", "rank": 1, "join": first_join})
+    assert store.compare_set("zmqautograd/dynamic/event/5", "", late) == late.encode()
+    # Whoever joins next reads it first, and so does every member before it admits the joiner.
+    assert cluster.join(2, "w2") == ("w2", "joined", ["w0", "w1", "w2"])
+    poll_until(lambda: "w2" in _names(), 30, "w2 admitted here")
+    assert _names() == ["w0", "w1", "w2"]
+    assert rpc.rpc_sync("w1", f.whoami) == "w1"
+    assert cluster.tell("w2", "w1") == ("w2", "called", "w1")
+
+
 def _static_join(init_method, results) -> None:  # (a queue of its own: see _Cluster)
     try:
         rpc.init_rpc("s", rank=1, world_size=2,

@@ -147,28 +147,28 @@ def _send_batch(agent: AgentPort, worker: int, context_ids: list) -> None:
         sent = agent.call_retrying(worker, cleanup_contexts, (context_ids,),
                                    MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
     except RuntimeError as exc:
-        _release_failed(context_ids, worker, exc)
+        _release_failed(context_ids, worker, exc, agent.is_lost(worker))
         return
-    sent.add_done_callback(lambda f: _log_failure(f, context_ids, worker))
+    sent.add_done_callback(lambda f: _log_failure(f, context_ids, worker, agent))
 
 
-def _log_failure(future: torch.futures.Future, context_ids: list, worker: int) -> None:
+def _log_failure(future: torch.futures.Future, context_ids: list, worker: int, agent: AgentPort) -> None:
     try:
         future.value()
     except Exception as exc:  # noqa: BLE001
-        _release_failed(context_ids, worker, exc)
+        _release_failed(context_ids, worker, exc, agent.is_lost(worker))
 
 
 _IDS_LOGGED = 8
 
 
-def _release_failed(context_ids: list, worker: int, exc: Exception) -> None:
+def _release_failed(context_ids: list, worker: int, exc: Exception, lost: bool) -> None:
     """Log a release that did not reach ``worker``. Its contexts there died with a lost worker
     (whose loss the agent reported already: a warning per batch would repeat it for every
-    step that had reached it), so that is a debug line; any other failure leaves contexts
-    behind on a live worker, a warning."""
+    step that had reached it; in a dynamic group it is no member any more), so that is a
+    debug line; any other failure leaves contexts behind on a live worker, a warning."""
     shown = ", ".join(map(str, context_ids[:_IDS_LOGGED]))
     if len(context_ids) > _IDS_LOGGED:
         shown += f" and {len(context_ids) - _IDS_LOGGED} more"
-    level = logging.DEBUG if isinstance(exc, PeerLostError) else logging.WARNING
+    level = logging.DEBUG if lost or isinstance(exc, PeerLostError) else logging.WARNING
     log.log(level, "could not release autograd contexts [%s] on worker %d: %s", shown, worker, exc)

@@ -249,6 +249,14 @@ class ContextContainer:
             raise RpcError(f"ran out of {what} ids on worker {self.worker_id}")
         return self._base + value
 
+    def start_ids(self, incarnation: int) -> None:
+        """Ids from ``incarnation << 32`` on (within the 48 bits): a worker that joins a
+        dynamic group under the rank of an earlier one makes none of that one's ids, which
+        may live on (released ones as tombstones) on other workers."""
+        start = (incarnation << 32) & MAX_AUTO_INCREMENT
+        self._context_counter = itertools.count(start)
+        self._message_counter = itertools.count(start)
+
     def max_id(self) -> int:
         return self._base + MAX_AUTO_INCREMENT
 

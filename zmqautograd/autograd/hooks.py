@@ -173,6 +173,9 @@ class AutogradHooks:
 
     # ------------------------------------------------------------------ the group
 
+    def joined(self, incarnation: int) -> None:
+        self.contexts.start_ids(incarnation)
+
     def peer_lost(self, peer: int, error: BaseException) -> None:
         """Passes waiting for that worker's report fail; contexts it created here can never be
         released by it any more, nor those only lost workers could still release."""

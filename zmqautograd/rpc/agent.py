@@ -158,6 +158,11 @@ class Agent(Calling, Answers, Serving):
             members = rendezvous.exchange(name, self.endpoint.address, self._device_record(),
                                           self.membership.own.published(), self.membership.mechanism, self._secret)
             self._set_members(members)
+            if self.group is not None:
+                # A worker of this rank may have been here before (restarted): ids made here
+                # (RRefs, autograd contexts) must not be any it made, which may live on.
+                self.rrefs.start_ids(self.group.event)
+                self.hooks.joined(self.group.event)
         except BaseException:
             self._close_now("init_rpc failed")
             raise
@@ -379,9 +384,8 @@ class Agent(Calling, Answers, Serving):
             return
         group = self.group
         if group is not None and not isinstance(error, PeerDepartedError) and int(peer) in self.workers_by_id:
-            # Lost without a goodbye: the group's log says so, for whoever joins next (a
-            # thread: the store may be slow or gone).
-            threading.Thread(target=group.leave, args=("lost", int(peer)), daemon=True).start()
+            # Lost without a goodbye: the group's log says so, for whoever joins next.
+            group.lost(int(peer))
         self.hooks.peer_lost(int(peer), error)  # (distributed autograd: its passes and contexts)
         # Forks it held of our values, and our RRefs kept for it (rref.py).
         self.rrefs.peer_lost(int(peer), error)

@@ -95,6 +95,11 @@ class CallHooks(Protocol):
 
     # ------------------------------------------------------------------ the group
 
+    def joined(self, incarnation: int) -> None:
+        """This worker joined a dynamic group with the ``incarnation``-th event of its log:
+        ids it makes from now on must differ from any an earlier worker of its rank made."""
+        ...
+
     def peer_lost(self, peer: int, error: BaseException) -> None: ...
 
     def flush(self) -> None:
@@ -145,6 +150,9 @@ class NoCallHooks:
         pass
 
     def call_answered(self, served: Any) -> None:
+        pass
+
+    def joined(self, incarnation: int) -> None:
         pass
 
     def peer_lost(self, peer: int, error: BaseException) -> None:

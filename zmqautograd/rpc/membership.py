@@ -3,7 +3,9 @@ without ``world_size``, as torch's TensorPipe agent allows; here on every transp
 
 The group is an append-only log of events in torch's store: ``join`` (a member record, as
 the static rendezvous publishes one), ``leave`` (a graceful shutdown) and ``lost`` (a member
-some worker lost without a goodbye). Each event is written to the first free number with
+some worker lost without a goodbye). A ``lost`` event names the incarnation it lost (the
+number of its ``join``): every worker that loses a member says so, some late, and a late one
+must not evict the same name and rank joined again since (a restarted worker). Each event is written to the first free number with
 ``compare_set``, so a number is taken only by publishing (the log has no gaps) and all
 workers see the events in one order. A worker that joins reads the events before its own to
 learn who is a member, publishes its own, and connects to those members; every member has a
@@ -61,6 +63,7 @@ class DynamicGroup:
             raise RuntimeError(MIXED)  # torch's words
         self.master_addr = _master_address(init_method)
         self.event = 0  # the number of our join event
+        self.joined: dict[int, int] = {}  # rank -> the number of its member's join event
         self._secret: bytes | None = None
         self._watcher: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -82,7 +85,9 @@ class DynamicGroup:
                     event, forged = None, forged or exc
                 if event is not None:
                     verified = True
-                    _apply(members, event)
+                    if not _stale(self.joined, event):
+                        _apply(members, event)
+                        _note(self.joined, event, number)
                 number += 1
             if forged is not None and not verified:
                 # Not one event of the log is signed with our secret: it is not this worker's
@@ -93,7 +98,7 @@ class DynamicGroup:
             self._check_joining(members, name, mechanism)
             if self._publish(number, me):
                 break
-        self.event = number
+        self.event = self.joined[self.rank] = number
         return [_member(record) for record in members.values()] + [_member(me)]
 
     def _check_joining(self, members: dict[int, dict], name: str, mechanism: str) -> None:
@@ -114,11 +119,22 @@ class DynamicGroup:
                                          name=f"rpc-members-{self.rank}", daemon=True)
         self._watcher.start()
 
-    def leave(self, op: str = "leave", rank: int | None = None) -> None:
-        """Publish that we (or, ``op`` "lost", member ``rank``) left; best effort: a store that is
-        gone (its host left first) is logged, not raised."""
+    def leave(self) -> None:
+        """Publish that we left (gracefully)."""
+        self._publish_next({"op": "leave", "rank": self.rank})
+
+    def lost(self, rank: int) -> None:
+        """Publish, on a thread (the store may be slow or gone), that we lost member ``rank``
+        without a goodbye: the incarnation we know now, so that a late word cannot evict one
+        that joined again since."""
+        event = {"op": "lost", "rank": rank, "join": self.joined.get(rank, 0)}
+        threading.Thread(target=self._publish_next, args=(event,), name=f"rpc-lost-{rank}", daemon=True).start()
+
+    def _publish_next(self, event: dict) -> None:
+        """Publish ``event`` at the first free number after our join; best effort: a store that
+        is gone (its host left first) is logged, not raised."""
+        op, rank = event["op"], event["rank"]
         try:
-            event = {"op": op, "rank": self.rank if rank is None else rank}
             number = self.event + 1
             while not self._publish(number, event):
                 number += 1
@@ -172,6 +188,12 @@ class DynamicGroup:
             number += 1
             if event is None or (event["op"] == "join" and event["rank"] == self.rank):
                 continue
+            if _stale(self.joined, event):
+                log.info("rank %d: event %d of the group (%s of rank %d) is about an earlier member of that "
+                         "rank; ignored", self.rank, number - 1, event["op"], event["rank"])
+                continue
+            if event["rank"] != self.rank:
+                _note(self.joined, event, number - 1)
             if event["op"] != "join" and event["rank"] == self.rank:
                 if event["op"] == "leave":
                     return  # our own: we are gone
@@ -190,7 +212,21 @@ def _well_formed(event: Any) -> bool:
         return False
     if type(event.get("rank")) is not int or event["rank"] < 0:
         return False
+    if "join" in event and type(event["join"]) is not int:
+        return False
     return event["op"] != "join" or (isinstance(event.get("name"), str) and isinstance(event.get("address"), str))
+
+
+def _stale(joined: dict[int, int], event: dict) -> bool:
+    """Whether ``event`` is a ``lost`` of a member other than the one of its rank now."""
+    return event["op"] == "lost" and "join" in event and joined.get(event["rank"]) != event["join"]
+
+
+def _note(joined: dict[int, int], event: dict, number: int) -> None:
+    if event["op"] == "join":
+        joined[event["rank"]] = number
+    else:
+        joined.pop(event["rank"], None)
 
 
 def _apply(members: dict[int, dict], event: dict) -> None:

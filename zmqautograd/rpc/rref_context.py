@@ -73,6 +73,12 @@ class RRefContext:
     def new_id(self) -> tuple:
         return (self.agent.rank, next(self._counter))
 
+    def start_ids(self, incarnation: int) -> None:
+        """A member of a dynamic group, the ``incarnation``-th event of its log: local ids of
+        its own, not those of an earlier worker of its rank (ids are (rank, local id), and an
+        earlier worker's may still live elsewhere)."""
+        self._counter = itertools.count(incarnation << 32)
+
     # -------------------------------------------------------------------------- owner side
 
     def _entry(self, rref_id: RRefId) -> _OwnerEntry:  # caller holds the lock
