@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -38,3 +40,48 @@ def test_demo_as_separate_processes_joined_by_env(tmp_path):
     outputs = [p.communicate(timeout=170) for p in processes]
     assert all(p.returncode == 0 for p in processes), [err[-2000:] for _, err in outputs]
     assert "held-out loss" in outputs[0][0]
+
+
+def _elastic_worker(rank: int, port: int, log_dir, steps: int = 1200) -> subprocess.Popen:
+    with open(log_dir / f"rank{rank}.{time.monotonic_ns()}.log", "w") as out:
+        return subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tools", "demo.py"), "--elastic", "--steps", str(steps),
+             "--rejoin-wait", "8"],
+            env={**os.environ, "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            stdout=out, stderr=subprocess.STDOUT, text=True,
+        )
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault", ["kill", "restart"])
+def test_elastic_demo_trains_on_when_a_worker_is_killed_or_restarted(tmp_path, fault):
+    """--elastic (a dynamic group): worker2 killed mid-training. Killed for good, its stage
+    moves to another worker; restarted under its name, it rejoins and gets its stage back.
+    Either way the driver rewinds to its last checkpoint and trains to the end."""
+    from tests.conftest import poll_until
+    from tools.ports import free_port
+
+    port = free_port()
+    workers = {rank: _elastic_worker(rank, port, tmp_path) for rank in range(4)}
+    driver_log = next(tmp_path.glob("rank0.*.log"))
+    try:
+        poll_until(lambda: "step   50" in driver_log.read_text(), 120, "training under way")
+        workers[2].kill()
+        workers[2].wait(10)
+        if fault == "restart":
+            workers[2] = _elastic_worker(2, port, tmp_path)
+        assert workers[0].wait(180) == 0, driver_log.read_text()[-3000:]
+        for rank in (1, 2, 3) if fault == "restart" else (1, 3):
+            assert workers[rank].wait(30) == 0  # the driver told them training is over
+    finally:
+        for worker in workers.values():
+            worker.kill()
+    driver = driver_log.read_text()
+    assert re.search(r"step \d+ failed at [\d.]+: .*worker2", driver)
+    if fault == "restart":
+        assert "worker2 rejoined after" in driver
+        assert re.search(r"training goes on from the checkpoint of step \d+: stage 1 on worker2\n", driver)
+    else:
+        assert "worker2 did not come back within 8 s" in driver
+        assert re.search(r"training goes on from the checkpoint of step \d+: stage 1 on worker[13]\n", driver)
+    assert "held-out loss" in driver  # (the demo asserts that the model learned)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import types
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -220,8 +219,8 @@ class EmbeddedPort:
     def is_lost(self, worker: int) -> bool:
         return worker in self._lost
 
-    def worker_info(self, to: Any) -> Any:
-        return types.SimpleNamespace(name=f"worker {to}")
+    def name_of(self, worker: int) -> str:
+        return f"worker {worker}"
 
     def call(self, to: int, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,
              message_type: MessageType = MessageType.PYTHON_CALL, barrier: bool = False,

@@ -179,7 +179,7 @@ class AutogradHooks:
     def peer_lost(self, peer: int, error: BaseException) -> None:
         """Passes waiting for that worker's report fail; contexts it created here can never be
         released by it any more, nor those only lost workers could still release."""
-        name, worker_name = str(peer), self._name_of(peer)
+        name, worker_name = str(peer), self.agent.name_of(peer)
         with self._losses:
             self._lost.append(worker_name)
             self._losses.notify_all()
@@ -191,12 +191,6 @@ class AutogradHooks:
         stranded = self.contexts.release_unreachable(is_lost, PeerLostError(name, f"released: {error}"))
         if stranded:
             log.warning("%s: released %d autograd context(s) that only lost workers reached", self.agent.info, stranded)
-
-    def _name_of(self, peer: int) -> str:
-        try:
-            return str(self.agent.worker_info(peer).name)
-        except Exception:  # noqa: BLE001 - a worker the group no longer lists
-            return f"rank {peer}"
 
     def lost_workers(self, wait: float = 0.0) -> list[str]:
         """The workers lost so far; waits up to ``wait`` seconds for a first one."""

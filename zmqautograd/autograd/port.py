@@ -75,8 +75,9 @@ class AgentPort(Protocol):
         """Whether ``worker`` is gone for good (its passes and contexts are failed)."""
         ...
 
-    def worker_info(self, to: Any) -> Any:
-        """The worker ``to`` (a rank), with its ``name`` (for errors that name it)."""
+    def name_of(self, worker: int) -> str:
+        """The name of ``worker`` (a rank), for errors that name it: also of a worker that
+        left the group meanwhile (whose loss an error reports)."""
         ...
 
     def call(self, to: int, function: Callable, args: Any, kwargs: Any, timeout: float, sync: bool = False,

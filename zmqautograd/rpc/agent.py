@@ -154,6 +154,7 @@ class Agent(Calling, Answers, Serving):
         self.group = rendezvous if isinstance(rendezvous, DynamicGroup) else None
         self._members: dict[str, Member] = {}
         self._departed: dict[str, str] = {}  # name -> how a member of a dynamic group went
+        self._former_names: dict[int, str] = {}  # rank -> name of the member that left it
         try:
             members = rendezvous.exchange(name, self.endpoint.address, self._device_record(),
                                           self.membership.own.published(), self.membership.mechanism, self._secret)
@@ -266,6 +267,7 @@ class Agent(Calling, Answers, Serving):
         if info is None:
             return
         self._departed[info.name] = how
+        self._former_names[rank] = info.name
         self._set_workers({name: m for name, m in self._members.items() if m.rank != rank})
 
     def leave_group(self) -> None:
@@ -317,6 +319,14 @@ class Agent(Calling, Answers, Serving):
             return info
         # torch's type and message (rpc/api.py, _to_worker_info).
         raise ValueError(f"Cannot get WorkerInfo from name {to}: a worker is named by its name, id or WorkerInfo")
+
+    def name_of(self, worker: int) -> str:
+        """The name of rank ``worker``, also after it left the group (errors that report its
+        loss may be made after its departure was read from the group's log)."""
+        info = self.workers_by_id.get(worker)
+        if info is not None:
+            return info.name
+        return self._former_names.get(worker, f"rank {worker}")
 
     def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
         """As torch's agents: this worker's info, or the named worker's."""
