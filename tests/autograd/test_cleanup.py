@@ -57,30 +57,36 @@ def test_releases_added_to_a_waiting_batch_leave_with_it():
 
 
 class _AgentWhoseCallsFail:
-    """The one part of an agent ``_send_batch`` uses, failing every call with ``error``."""
+    """The parts of an agent ``_send_batch`` uses, failing every call with ``error``."""
 
     closed = False
     rank = 0
 
-    def __init__(self, error: Exception) -> None:
-        self.error = error
+    def __init__(self, error: Exception, departed: bool) -> None:
+        self.error, self.departed = error, departed
 
     def call_retrying(self, *args, **kwargs):
         raise self.error
 
+    def is_lost(self, worker: int) -> bool:
+        return self.departed
 
-@pytest.mark.parametrize("lost", [True, False])
+
+@pytest.mark.parametrize("lost", ["lost", "departed", "live"])
 def test_a_release_that_cannot_reach_its_worker_is_logged_by_what_it_leaves_behind(caplog, lost):
     from zmqautograd.transport import PeerLostError
     from zmqautograd.autograd import cleanup
     from zmqautograd.rpc.errors import RpcError
 
-    error = PeerLostError("3", "lost peer '3': connection closed") if lost else RpcError("RPC ran for more than 5 s")
+    error = {"lost": PeerLostError("3", "lost peer '3': connection closed"),
+             # a member of a dynamic group that was lost, and that the group no longer lists
+             "departed": RpcError("could not find destination worker id 3; ids are [0, 1, 2]"),
+             "live": RpcError("RPC ran for more than 5 s")}[lost]
     with caplog.at_level(logging.DEBUG, logger=cleanup.__name__):
-        cleanup._send_batch(_AgentWhoseCallsFail(error), 3, list(range(100, 130)))
+        cleanup._send_batch(_AgentWhoseCallsFail(error, lost == "departed"), 3, list(range(100, 130)))
     (record,) = [r for r in caplog.records if r.name == cleanup.__name__]
     # A lost worker's contexts died with it (its loss was reported once already); a live
     # worker that kept them is worth a warning. Either way the ids are cut short.
-    assert record.levelno == (logging.DEBUG if lost else logging.WARNING)
+    assert record.levelno == (logging.WARNING if lost == "live" else logging.DEBUG)
     assert "100, 101" in record.getMessage() and "and 22 more" in record.getMessage()
     assert "129" not in record.getMessage()
