@@ -195,9 +195,11 @@ def _finish() -> None:
 
 def serve_until_finished() -> None:
     """A worker of an elastic group: serve until the driver says training is over, or is gone
-    (shutdown in a dynamic group does not wait for the others)."""
+    (shutdown in a dynamic group does not wait for the others): it left the group, or this
+    worker lost it (a partition: the group's log, on the driver, is out of reach too)."""
+    agent = rpc._get_current_rpc_agent()
     while not _finished.wait(1.0):
-        if "driver" not in _members():
+        if "driver" not in _members() or agent.is_lost(0):
             return
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -85,3 +86,27 @@ def test_elastic_demo_trains_on_when_a_worker_is_killed_or_restarted(tmp_path, f
         assert "worker2 did not come back within 8 s" in driver
         assert re.search(r"training goes on from the checkpoint of step \d+: stage 1 on worker[13]\n", driver)
     assert "held-out loss" in driver  # (the demo asserts that the model learned)
+
+
+@pytest.mark.timeout(180)
+def test_elastic_workers_end_on_their_own_when_the_driver_hangs(tmp_path):
+    """The driver stopped (SIGSTOP: a hung process, or a partition as its workers see it):
+    each worker loses it after the peer timeout and shuts down, although the group's store,
+    which the driver hosts, cannot take its leave (that wait is bounded)."""
+    from tests.conftest import poll_until
+    from tools.ports import free_port
+
+    port = free_port()
+    workers = {rank: _elastic_worker(rank, port, tmp_path, steps=100_000) for rank in range(4)}
+    driver_log = next(tmp_path.glob("rank0.*.log"))
+    try:
+        poll_until(lambda: "step   50" in driver_log.read_text(), 120, "training under way")
+        workers[0].send_signal(signal.SIGSTOP)
+        for rank in (1, 2, 3):
+            # peer timeout (10 s) + the leave's bounded wait (5 s) + shutdown, with room
+            assert workers[rank].wait(90) == 0
+    finally:
+        for worker in workers.values():
+            worker.kill()
+    logs = "".join(log.read_text() for log in tmp_path.glob("rank[123].*.log"))
+    assert "lost peer '0'" in logs and "did not take our leave" in logs

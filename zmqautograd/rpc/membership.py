@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 KEY = DYNAMIC_KEY
 _FOREVER = timedelta(days=365)  # a watcher waits for the next event (our own leave ends it)
+LEAVE_WAIT = 5.0  # seconds a shutdown waits for the store to take its leave
 
 
 class DynamicGroup:
@@ -120,8 +121,16 @@ class DynamicGroup:
         self._watcher.start()
 
     def leave(self) -> None:
-        """Publish that we left (gracefully)."""
-        self._publish_next({"op": "leave", "rank": self.rank})
+        """Publish that we left (gracefully). The store's host may be out of reach (a
+        partition; a store client then blocks for its whole timeout): waited for
+        ``LEAVE_WAIT`` seconds at most, after which the others learn it when they lose us."""
+        publishing = threading.Thread(target=self._publish_next, args=({"op": "leave", "rank": self.rank},),
+                                      name=f"rpc-leave-{self.rank}", daemon=True)
+        publishing.start()
+        publishing.join(LEAVE_WAIT)
+        if publishing.is_alive():
+            log.warning("rank %d: the group's store did not take our leave within %.0f s; leaving without it",
+                        self.rank, LEAVE_WAIT)
 
     def lost(self, rank: int) -> None:
         """Publish, on a thread (the store may be slow or gone), that we lost member ``rank``
