@@ -314,6 +314,13 @@ def run_fault(compose: list[str], env: dict, fault: str) -> float:
             raise Failed(f"{fault}: detected after {detected:.1f} s, more than the peer timeout ({PEER_TIMEOUT:.0f} s) + 5 s")
         say(f"{fault}: the driver's step failed after {detected:.1f} s: {error[:200]}")
         _check_training_went_on(command, env, driver, fault)
+        if fault == "partition":
+            # Cut off, worker2 lost the driver too: it must end on its own, not hang.
+            code = run(["docker", "wait", container], 60, env=env, what="partition: worker2's end", quiet=True)
+            if code.stdout.strip() != "0":
+                raise Failed(f"partition: worker2, cut off, exited with {code.stdout.strip()}: "
+                             f"{_logs(command, env, 'worker2')[-300:]}")
+            say("partition: worker2, cut off, lost the driver and ended on its own (exit 0)")
         return detected
 
 
