@@ -5,15 +5,15 @@ The group is an append-only log of events in torch's store: ``join`` (a member r
 the static rendezvous publishes one), ``leave`` (a graceful shutdown) and ``lost`` (a member
 some worker lost without a goodbye). A ``lost`` event names the incarnation it lost (the
 number of its ``join``): every worker that loses a member says so, some late, and a late one
-must not evict the same name and rank joined again since (a restarted worker). Each event is written to the first free number with
-``compare_set``, so a number is taken only by publishing (the log has no gaps) and all
-workers see the events in one order. A worker that joins reads the events before its own to
-learn who is a member, publishes its own, and connects to those members; every member has a
-thread that follows the log (``watch``) and admits each new member (its credential, its
-address) or lets go of one that left, before the joiner's handshake can finish. With a
-cluster secret every event is signed (bound to its number), and one that is not is ignored
-with a warning; without one the store is the group's trust root for as long as the group
-lives (see rendezvous.py).
+must not evict the same name and rank joined again since (a restarted worker). Each event is
+written to the first free number with ``compare_set``, so a number is taken only by
+publishing (the log has no gaps) and all workers see the events in one order. A worker that
+joins reads the events before its own to learn who is a member, publishes its own, and
+connects to those members; every member has a thread that follows the log (``watch``) and
+admits each new member (its credential, its address) or lets go of one that left, before the
+joiner's handshake can finish. With a cluster secret every event is signed (bound to its
+number), and one that is not is ignored with a warning; without one the store is the group's
+trust root for as long as the group lives (see rendezvous.py).
 
 A group is either static (``world_size`` given, rendezvous.py) or dynamic: torch refuses to
 mix them, and so does this.
