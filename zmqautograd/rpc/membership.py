@@ -131,6 +131,10 @@ class DynamicGroup:
         if publishing.is_alive():
             log.warning("rank %d: the group's store did not take our leave within %.0f s; leaving without it",
                         self.rank, LEAVE_WAIT)
+        elif self._watcher is not None:
+            # It ends once it reads our leave: no thread of ours is left inside a store call
+            # (C++) when the process exits (seen: std::terminate at exit on the store's host).
+            self._watcher.join(LEAVE_WAIT)
 
     def lost(self, rank: int) -> None:
         """Publish, on a thread (the store may be slow or gone), that we lost member ``rank``
