@@ -171,9 +171,11 @@ def recover(model: Model, checkpoint: tuple[int, list[dict]], rejoin_wait: float
     hosts = list(model.hosts)
     for name in lost:
         waited = time.monotonic()
-        while time.monotonic() - waited < rejoin_wait and not _alive(name):
-            time.sleep(0.5)
-        if _alive(name):
+        back = _alive(name)
+        while not back and time.monotonic() - waited < rejoin_wait:
+            time.sleep(0.5)  # (nothing tells this process that a worker joined: look again)
+            back = _alive(name)
+        if back:
             print(f"{name} rejoined after {time.monotonic() - waited:.1f} s", flush=True)
             continue
         survivors = sorted({host for host in hosts if host not in lost}, key=hosts.count)
