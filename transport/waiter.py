@@ -59,11 +59,14 @@ class Waiter:
     the descriptor readable, so the sleep returns at once.
     """
 
-    __slots__ = ("waiting", "sleeper", "reads", "_read_fd", "_write_fd", "_poller", "_epoll", "__weakref__")
+    __slots__ = ("waiting", "sleeper", "reads", "spin_for", "_read_fd", "_write_fd", "_poller", "_epoll", "__weakref__")
 
     def __init__(self, reads: bool = False) -> None:
         self.waiting = False
         self.sleeper = 0  # the thread that waits on it (set by whoever makes it wait)
+        # How long this thread's next wait spins before it sleeps, learnt from its waits
+        # (transport/waiting.py), by what it waits for: [an answer, work]. None: not yet.
+        self.spin_for: list[float | None] = [None, None]
         self.reads = reads and EXCLUSIVE is not None
         if _HAS_EVENTFD:
             self._read_fd = self._write_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

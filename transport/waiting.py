@@ -18,6 +18,23 @@ if TYPE_CHECKING:
 _yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 _DESCRIPTOR_LOOKS = 4  # a spinning thread's looks at the rings per look at its descriptors
+_MIN_SPIN = 5e-5  # seconds: a learnt spin shorter than this does not spin at all
+
+
+def learn_spin(current: float, gap: float | None, limit: float) -> float:
+    """The next spin of a kind of wait that spun for ``current``, where input came ``gap``
+    seconds after the thread began to watch for it (None: none came before the wait ended).
+    A gap that a spin of at most ``limit`` covers makes the spin cover twice that gap (within
+    ``limit``); a longer one halves the spin, to zero below ``_MIN_SPIN``. So a thread spins
+    where input comes soon after it begins to wait, as in a loop of calls, and sleeps at once
+    where input comes later than any spin would last: on a machine with more runnable
+    processes than cores, such a spin takes turns on a core from the processes that have work,
+    for a wake-up it does not save."""
+    if gap is not None and gap <= limit:
+        return min(limit, max(current, gap * 2, _MIN_SPIN))
+    current /= 2
+    return current if current >= _MIN_SPIN else 0.0
+
 
 def _spin_poll(poll: Callable[[float], bool], until: float) -> bool:
     """Poll without sleeping until ``until`` (``time.monotonic``); whether anything became
@@ -44,14 +61,17 @@ class WaitingThreads:
             waiter = self._thread_local.waiter = new_waiter(self._waiters_read)
         return waiter
 
-    def wait_until(self: Endpoint, ready: Callable[[], bool], timeout: float | None = None) -> bool:
+    def wait_until(self: Endpoint, ready: Callable[[], bool], timeout: float | None = None, *,
+                   for_work: bool = False) -> bool:
         """Block the calling thread until ``ready()`` is true (True) or ``timeout`` seconds
         have passed (False). Meanwhile the thread receives from the socket itself, exactly as
         the I/O thread would, so that the message it waits for wakes it directly, with no
         thread hand-over (transport/waiter.py). Whoever makes ``ready()`` true from another
         thread (or a callback this receiving runs) then calls ``waiter().wake()`` of the
-        waiting thread. ``ready`` must be quick and must not block."""
-        return self._wait(self.waiter(), ready, timeout)
+        waiting thread. ``ready`` must be quick and must not block. ``for_work``: the thread
+        waits for work rather than for an answer (an idle pool thread); each kind of wait
+        learns its own spin (see :meth:`_spin_length`)."""
+        return self._wait(self.waiter(), ready, timeout, for_work)
 
     def _become_reading_waiter(self: Endpoint, waiter: AnyWaiter) -> None:
         """Watch the ROUTER in ``waiter``'s place from now on, with the I/O thread behind it
@@ -67,13 +87,15 @@ class WaitingThreads:
             self._io_poller.go_last()
             self._reading_waiter = waiter
 
-    def _wait(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], timeout: float | None) -> bool:
+    def _wait(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], timeout: float | None,
+              for_work: bool = False) -> bool:
         if ready():
             return True
         if waiter.reads and self._reading_waiter is not waiter:
             self._become_reading_waiter(waiter)
         deadline = None if timeout is None else time.monotonic() + timeout
-        spin = self.options.spin if waiter.reads else 0.0
+        spin = self._spin_length(waiter, for_work)
+        watched_from = None  # when this thread began to watch for input (learn_spin's sample)
         if type(waiter) is Waiter:
             waiter.sleeper = threading.get_ident()
         try:
@@ -82,23 +104,50 @@ class WaitingThreads:
                     self._read_for_waiter()
                 waiter.waiting = True  # from here on, whoever makes ready() true wakes us
                 if ready():
-                    return True
+                    break
+                if watched_from is None and self._rings_in and not self._spinning:
+                    watched_from = time.monotonic()  # a sample only where no other thread spins
                 if spin and self._rings_in:  # spin first (bounded by the deadline), then sleep
                     until = time.monotonic() + spin
+                    received = self._received
                     spun = self._spin(waiter, ready, until if deadline is None else min(until, deadline))
+                    if spun or self._received != received:  # the spin saw input: it paid
+                        if watched_from is not None:
+                            self._learn_spin(waiter, for_work, time.monotonic() - watched_from)
+                            watched_from = None
                     if spun:
-                        return True
+                        break
                     if spun is None:
                         continue
                 remaining = None
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
+                        if watched_from is not None:
+                            self._learn_spin(waiter, for_work, None)
                         return False
                 waiter.sleep(remaining)
                 waiter.waiting = False
+                if watched_from is not None:
+                    self._learn_spin(waiter, for_work, time.monotonic() - watched_from)
+                    watched_from = None
         finally:
             waiter.waiting = False
+        return True
+
+    def _spin_length(self: Endpoint, waiter: AnyWaiter, for_work: bool) -> float:
+        """How long this wait spins before it sleeps: what this thread's waits of this kind
+        have shown to pay (``learn_spin``), at most ``spin``."""
+        if not isinstance(waiter, Waiter) or not waiter.reads or not self.options.spin:
+            return 0.0
+        learnt = waiter.spin_for[for_work]
+        return self.options.spin if learnt is None else learnt
+
+    def _learn_spin(self: Endpoint, waiter: AnyWaiter, for_work: bool, gap: float | None) -> None:
+        if isinstance(waiter, Waiter) and waiter.reads and self.options.spin:
+            learnt = waiter.spin_for[for_work]
+            limit = self.options.spin
+            waiter.spin_for[for_work] = learn_spin(limit if learnt is None else learnt, gap, limit)
 
     def _spin(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], until: float) -> bool | None:
         """Receive without sleeping until ``ready()`` (True) or ``until`` (False), yielding

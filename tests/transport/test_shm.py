@@ -11,6 +11,7 @@ import queue
 import resource
 import select
 import struct
+import threading
 import time
 
 import pytest
@@ -21,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zmqautograd.transport import Message, MessageType, PeerLostError
-from zmqautograd.transport import shm
+from zmqautograd.transport import shm, waiting
+from zmqautograd.transport import waiter as transport_waiter
 from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 from zmqautograd.transport.errors import RemoteProtocolError
 
@@ -386,6 +388,76 @@ def test_waiting_threads_stop_spinning_once_their_spin_is_over():
             b.recv(1.5)  # spins 2 ms, then sleeps until the timeout
         used = time.process_time() - cpu_before
         assert used < 0.5, f"an idle wait of 1.5 s used {used:.2f} s of CPU"
+
+
+def test_a_learnt_spin_covers_the_gaps_that_a_spin_can_cover():
+    limit = 0.002
+    spin = limit
+    for _ in range(20):  # input comes 50 ms after each wait begins: no spin would catch it
+        spin = waiting.learn_spin(spin, 0.05, limit)
+    assert spin == 0.0
+    assert waiting.learn_spin(spin, 3e-4, limit) == pytest.approx(6e-4)  # one that would have
+    assert waiting.learn_spin(6e-4, 1e-4, limit) == pytest.approx(6e-4)  # caught: no change
+    assert waiting.learn_spin(6e-4, None, limit) == pytest.approx(3e-4)  # timed out: halved
+    assert waiting.learn_spin(limit, 1.9e-3, limit) == limit
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.floats(0, 1)), max_size=60))
+def test_a_learnt_spin_stays_between_nothing_and_its_limit(gaps):
+    limit = 0.002
+    spin = limit
+    for gap in gaps:
+        spin = waiting.learn_spin(spin, gap, limit)
+        assert spin == 0.0 or waiting._MIN_SPIN <= spin <= limit
+
+
+@pytest.mark.skipif(transport_waiter.EXCLUSIVE is None, reason="waiting threads spin only where they read (Linux)")
+def test_a_thread_spins_only_while_what_it_waits_for_comes_within_a_spin():
+    # Once a thread's messages come 30 ms apart (longer than any spin) it sleeps at once when
+    # it waits, and an answer that comes soon after its call makes it spin again. Every
+    # message arrives, in order, either way.
+    with _paired(heartbeat_interval=5.0, peer_timeout=60.0) as (a, b, _lost):
+        stop = threading.Event()
+
+        def echo() -> None:  # a answers every message of b
+            while not stop.is_set():
+                try:
+                    message = a.recv(0.2)
+                except TimeoutError:
+                    continue
+                a.send("b", Message(MessageType.PYTHON_RET, message.id, "a", message.payload))
+
+        def spin_of_b() -> float:
+            return b._spin_length(b.waiter(), False)
+
+        echoing = threading.Thread(target=echo, daemon=True)
+        echoing.start()
+        try:
+            for seq in range(50):  # rings set up, threads warm
+                b.send("a", Message(MessageType.PYTHON_CALL, seq + 1, "b", seq))
+                assert b.recv(30).payload == seq
+
+            def send_slowly() -> None:
+                for seq in range(12):
+                    time.sleep(0.03)  # the gap between messages is what this test is about
+                    a.send("b", Message(MessageType.PYTHON_CALL, 100 + seq, "a", seq))
+
+            sender = threading.Thread(target=send_slowly)
+            sender.start()
+            assert [b.recv(30).payload for _ in range(12)] == list(range(12))
+            sender.join(30)
+            assert spin_of_b() == 0.0
+            # Under load an answer may take longer than a spin; one that does not is enough.
+            for seq in range(2000):
+                b.send("a", Message(MessageType.PYTHON_CALL, 200 + seq, "b", seq))
+                assert b.recv(30).payload == seq
+                if spin_of_b() > 0:
+                    break
+            assert spin_of_b() > 0, "no answer came within a spin of its call in 2000 calls"
+        finally:
+            stop.set()
+            echoing.join(30)
 
 
 def test_a_peer_whose_doorbell_cannot_be_reached_stays_on_the_socket(monkeypatch):

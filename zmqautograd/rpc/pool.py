@@ -391,7 +391,7 @@ class ElasticPool:
             waiter = receiver.waiter()
             with self._lock:
                 self._reader_waiter = waiter
-            receiver.wait_until(stop_reading)
+            receiver.wait_until(stop_reading, for_work=True)
         except Exception:  # the endpoint is unusable: wait on the condition from now on
             log.exception("pool %s: receiving while idle failed", self.name)
             self._receiver = None
