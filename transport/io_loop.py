@@ -29,7 +29,7 @@ from .peers import PeerState, PeerStats, _Peer
 from .security import ZAP_ENDPOINT, ClusterKeys, Membership
 from .tensors import adopt_torch_thread_settings
 from .waiter import IoPoller, new_waiter
-from .waiting import _spin_poll, learn_spin
+from .waiting import _spin_poll
 
 if TYPE_CHECKING:
     from .endpoint import Endpoint
@@ -229,8 +229,6 @@ class IoThread:
         busy_poll = self.options.busy_poll
         spin = self.options.spin
         busy_until = 0.0  # with busy_poll: spin instead of sleeping until then (monotonic)
-        window_spin = spin  # the spin after traffic that has paid lately (waiting.learn_spin)
-        sample = False  # whether the next sleep after traffic teaches window_spin
         while True:
             timeout = 0.0
             with self._lock:
@@ -245,20 +243,11 @@ class IoThread:
                 if idle:
                     timeout = max(0.0, next_tick - time.monotonic())
             if timeout and busy_until > time.monotonic():
-                spun_at = time.monotonic()
-                found = _spin_poll(poll, min(busy_until, next_tick))
-                if not found:
+                if not _spin_poll(poll, min(busy_until, next_tick)):
                     timeout = max(0.0, next_tick - time.monotonic())  # the tick is due, or sleep until it is
-                    found = poll(timeout)  # False: the tick, not input, ended the sleep
-                if sample:
-                    window_spin = learn_spin(window_spin, time.monotonic() - spun_at if found else None, spin)
-            elif timeout and sample:  # no spin after this traffic: would one have paid?
-                slept_at = time.monotonic()
-                found = poll(timeout)
-                window_spin = learn_spin(window_spin, time.monotonic() - slept_at if found else None, spin)
+                    poll(timeout)
             else:
                 poll(timeout)
-            sample = False
             # Unlocked: a sender that still sees True only sends one wake-up too many.
             self._io_asleep = False
             # Every socket's descriptor is edge-triggered: look at each, whatever woke us.
@@ -284,14 +273,12 @@ class IoThread:
                 self._run_inline()
             if closing:
                 return
-            # With peers on shared-memory rings, the I/O thread spins after traffic too (for
-            # ``spin`` at most, as long as such spins have lately seen input soon enough):
-            # answers that reach no waiting thread (rpc_async callers, who wait on torch
-            # futures) then need no wake-up either.
-            window = max(busy_poll, window_spin) if self._rings_in else busy_poll
+            # With peers on shared-memory rings, the I/O thread spins for ``spin`` after
+            # traffic too: answers that reach no waiting thread (rpc_async callers, who wait
+            # on torch futures) then need no wake-up either.
+            window = max(busy_poll, spin) if self._rings_in else busy_poll
             if active and window:
                 busy_until = time.monotonic() + window
-            sample = active and bool(spin and self._rings_in)
 
     def _run_inline(self: Endpoint) -> None:
         """Run the handlers of what the last batch received (inline_handlers), in order."""
