@@ -451,7 +451,9 @@ def test_a_same_host_peer_that_does_not_read_is_dropped_past_max_queued_bytes():
     writer = Client(server, identity="writer-x", max_queued_bytes=8 << 20)
     try:
         assert lender.call({"op": "echo", "data": 1}) == 1 and writer.call({"op": "echo", "data": 2}) == 2
-        assert lender.endpoint.reads_our_memory("frozen") and writer.endpoint.through_shared_memory("frozen")
+        # Both set up in the background after the connection (the ring's offer and answer
+        # may still be on their way after the first call, which went through the socket).
+        _wait_until(lambda: lender.endpoint.reads_our_memory("frozen") and writer.endpoint.through_shared_memory("frozen"))
         server.kill(signal.SIGSTOP)
         before = _rss()
         big = torch.ones(1 << 20)  # 4 MiB, lent: the same tensor each time, so no new memory
