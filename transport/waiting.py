@@ -24,14 +24,14 @@ _MIN_SPIN = 5e-5  # seconds: a learnt spin shorter than this does not spin at al
 def learn_spin(current: float, gap: float | None, limit: float) -> float:
     """The next spin of a kind of wait that spun for ``current``, where input came ``gap``
     seconds after the thread began to watch for it (None: none came before the wait ended).
-    A gap that a spin of at most ``limit`` covers makes the spin cover twice that gap (within
-    ``limit``); a longer one halves the spin, to zero below ``_MIN_SPIN``. So a thread spins
-    where input comes soon after it begins to wait, as in a loop of calls, and sleeps at once
-    where input comes later than any spin would last: on a machine with more runnable
-    processes than cores, such a spin takes turns on a core from the processes that have work,
-    for a wake-up it does not save."""
+    A gap that a spin of ``limit`` covers restores the spin to ``limit``; a longer one halves
+    it, to zero below ``_MIN_SPIN``. So a thread spins as long as ever where input comes soon
+    after it begins to wait, as in a loop of calls, and after a few waits that outlast any
+    spin it sleeps at once: on a machine with more runnable processes than cores, such a
+    spin takes turns on a core from the processes that have work, for a wake-up it does not
+    save."""
     if gap is not None and gap <= limit:
-        return min(limit, max(current, gap * 2, _MIN_SPIN))
+        return limit
     current /= 2
     return current if current >= _MIN_SPIN else 0.0
 

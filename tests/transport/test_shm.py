@@ -396,10 +396,10 @@ def test_a_learnt_spin_covers_the_gaps_that_a_spin_can_cover():
     for _ in range(20):  # input comes 50 ms after each wait begins: no spin would catch it
         spin = waiting.learn_spin(spin, 0.05, limit)
     assert spin == 0.0
-    assert waiting.learn_spin(spin, 3e-4, limit) == pytest.approx(6e-4)  # one that would have
-    assert waiting.learn_spin(6e-4, 1e-4, limit) == pytest.approx(6e-4)  # caught: no change
-    assert waiting.learn_spin(6e-4, None, limit) == pytest.approx(3e-4)  # timed out: halved
+    assert waiting.learn_spin(spin, 3e-4, limit) == limit  # one that a spin would have caught
+    assert waiting.learn_spin(6e-4, None, limit) == pytest.approx(3e-4)  # none came: halved
     assert waiting.learn_spin(limit, 1.9e-3, limit) == limit
+    assert waiting.learn_spin(limit, 2.1e-3, limit) == pytest.approx(1e-3)
 
 
 @settings(max_examples=200, deadline=None)
