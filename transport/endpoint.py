@@ -37,7 +37,8 @@ Opt-in busy polling (``EndpointOptions.busy_poll``): after application traffic t
 keeps polling, yielding its CPU between polls, instead of sleeping, for that long; where waking
 a sleeping thread is slow (VMs), answers then find a thread already running (docs/transport.md).
 With peers on shared-memory rings (transport/shm.py) it does so for ``EndpointOptions.spin``
-at least, and waiting threads spin that long before they sleep.
+at least, and waiting threads spin up to that long before they sleep (as long as their waits
+have shown a spin to pay: transport/waiting.py, ``learn_spin``).
 
 Peer loss is detected three ways, whichever is first: the connection closes (monitor events;
 immediate when a process dies), nothing heard for ``peer_timeout`` (application heartbeats,

@@ -40,8 +40,9 @@ class EndpointOptions:
     # memory instead of the socket (transport/shm.py; x86-64 Linux). 0: never.
     shm_ring: int = shm.DEFAULT_RING_BYTES
     # With such peers, a thread that waits (for an answer, or idle for work) first spins on
-    # the rings for this long, yielding its CPU between looks, before it sleeps: an answer
-    # that comes within it needs no wake-up. 0: it sleeps at once.
+    # the rings for up to this long, yielding its CPU between looks, before it sleeps: an
+    # answer that comes within it needs no wake-up. A thread whose waits of a kind last longer
+    # spins less, down to not at all (transport/waiting.py). 0: it sleeps at once.
     spin: float = shm.DEFAULT_SPIN
     # A peer that does not read what we send it is dropped (lost, with an error that says so)
     # once this many bytes of big messages wait in libzmq or its ring for it, or this many

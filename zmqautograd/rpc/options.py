@@ -101,8 +101,9 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
             in shared memory instead of a socket (docs/transport.md, "Shared-memory rings");
             0 turns that off.
         spin: seconds. With such workers, a thread that waits (for an answer, or idle for
-            work) first spins on the rings for this long, yielding its CPU between looks,
-            before it sleeps; 0 sleeps at once.
+            work) first spins on the rings for up to this long, yielding its CPU between
+            looks, before it sleeps (less, down to not at all, where its waits have lasted
+            longer: docs/transport.md, "Spinning waiters"); 0 sleeps at once.
         messages_to_fail / num_fail_sends / messages_to_delay / drop_fraction / fail_fraction /
         fault_seed:
             fault injection, as torch's faulty agent options (``zmqautograd.transport.faults``; also
