@@ -33,7 +33,7 @@ class Dispatcher:
             return not dispatch_queue.empty()
 
         while True:
-            self._wait(waiter, has_work, None, True)  # returns at once when work is queued
+            self._wait(waiter, has_work, None, for_work=True)  # returns at once when work is queued
             item = dispatch_queue.get_nowait()
             if item is None:
                 return  # the waiter's descriptors close with it, once nobody can wake it

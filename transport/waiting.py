@@ -94,7 +94,9 @@ class WaitingThreads:
         if waiter.reads and self._reading_waiter is not waiter:
             self._become_reading_waiter(waiter)
         deadline = None if timeout is None else time.monotonic() + timeout
-        spin = self._spin_length(waiter, for_work)
+        # The waiter whose spin this wait uses and teaches; None: this wait never spins.
+        learner = waiter if isinstance(waiter, Waiter) and waiter.reads and self.options.spin else None
+        spin = self._spin_length(learner, for_work) if learner is not None else 0.0
         watched_from = None  # when this thread began to watch for input (learn_spin's sample)
         if type(waiter) is Waiter:
             waiter.sleeper = threading.get_ident()
@@ -105,15 +107,15 @@ class WaitingThreads:
                 waiter.waiting = True  # from here on, whoever makes ready() true wakes us
                 if ready():
                     break
-                if watched_from is None and self._rings_in and not self._spinning:
+                if learner is not None and watched_from is None and self._rings_in and not self._spinning:
                     watched_from = time.monotonic()  # a sample only where no other thread spins
                 if spin and self._rings_in:  # spin first (bounded by the deadline), then sleep
                     until = time.monotonic() + spin
                     received = self._received
                     spun = self._spin(waiter, ready, until if deadline is None else min(until, deadline))
                     if spun or self._received != received:  # the spin saw input: it paid
-                        if watched_from is not None:
-                            self._learn_spin(waiter, for_work, time.monotonic() - watched_from)
+                        if learner is not None and watched_from is not None:
+                            self._learn_spin(learner, for_work, time.monotonic() - watched_from)
                             watched_from = None
                     if spun:
                         break
@@ -123,31 +125,27 @@ class WaitingThreads:
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        if watched_from is not None:
-                            self._learn_spin(waiter, for_work, None)
+                        if learner is not None and watched_from is not None:
+                            self._learn_spin(learner, for_work, None)
                         return False
                 waiter.sleep(remaining)
                 waiter.waiting = False
-                if watched_from is not None:
-                    self._learn_spin(waiter, for_work, time.monotonic() - watched_from)
+                if learner is not None and watched_from is not None:
+                    self._learn_spin(learner, for_work, time.monotonic() - watched_from)
                     watched_from = None
         finally:
             waiter.waiting = False
         return True
 
-    def _spin_length(self: Endpoint, waiter: AnyWaiter, for_work: bool) -> float:
-        """How long this wait spins before it sleeps: what this thread's waits of this kind
-        have shown to pay (``learn_spin``), at most ``spin``."""
-        if not isinstance(waiter, Waiter) or not waiter.reads or not self.options.spin:
-            return 0.0
-        learnt = waiter.spin_for[for_work]
+    def _spin_length(self: Endpoint, learner: Waiter, for_work: bool) -> float:
+        """How long a wait of this kind spins before it sleeps: what the thread's waits of
+        this kind have shown to pay (``learn_spin``), at most ``spin``."""
+        learnt = learner.spin_for[for_work]
         return self.options.spin if learnt is None else learnt
 
-    def _learn_spin(self: Endpoint, waiter: AnyWaiter, for_work: bool, gap: float | None) -> None:
-        if isinstance(waiter, Waiter) and waiter.reads and self.options.spin:
-            learnt = waiter.spin_for[for_work]
-            limit = self.options.spin
-            waiter.spin_for[for_work] = learn_spin(limit if learnt is None else learnt, gap, limit)
+    def _learn_spin(self: Endpoint, learner: Waiter, for_work: bool, gap: float | None) -> None:
+        limit = self.options.spin
+        learner.spin_for[for_work] = learn_spin(self._spin_length(learner, for_work), gap, limit)
 
     def _spin(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], until: float) -> bool | None:
         """Receive without sleeping until ``ready()`` (True) or ``until`` (False), yielding
