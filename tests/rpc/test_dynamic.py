@@ -6,6 +6,7 @@ processes; this process is w0, the worker whose rank hosts the store."""
 from __future__ import annotations
 
 import faulthandler
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -14,6 +15,7 @@ import signal
 import pytest
 import torch
 
+import zmqautograd.autograd as dist_autograd  # (before any init_rpc: its hooks join every agent)
 import zmqautograd.rpc as rpc
 
 from tests import rpc_functions as f
@@ -43,6 +45,11 @@ def _member(rank: int, name: str, init_method: str, commands, results, secret: s
             rpc.shutdown()
             results.put((name, "left"))
             return
+        if command == "open a context":  # ... that reaches w0, and is never left
+            context_id = dist_autograd.context().__enter__()
+            rpc.rpc_sync("w0", torch.add, args=(torch.ones(2, requires_grad=True), 1))
+            results.put((name, "opened", context_id))
+            continue
         results.put((name, "called", rpc.rpc_sync(command, f.whoami)))
 
 
@@ -146,6 +153,34 @@ def test_a_member_that_dies_is_lost_and_does_not_hold_up_who_joins_next(cluster)
     poll_until(lambda: _names() == ["w0"], 30, "w1 gone from the group")
     assert cluster.join(2, "w2") == ("w2", "joined", ["w0", "w2"])
     assert rpc.rpc_sync("w2", f.whoami) == "w2"
+
+
+def _contexts_here() -> int:
+    return int(dist_autograd._get_debug_info()["num_autograd_contexts"])
+
+
+def test_contexts_of_a_departed_member_go_quietly_those_of_a_lost_one_with_a_warning(cluster, caplog):
+    """Contexts that reached us from a member that is gone can never be released by it: they
+    are released here. A member that said goodbye is no fault (its releases may still travel
+    down a chain when it leaves; they are not awaited, as in torch): no warning. One that
+    vanished is: a warning names it."""
+    caplog.set_level(logging.DEBUG, logger="zmqautograd.autograd.hooks")
+    for rank, name in ((1, "w1"), (2, "w2")):
+        assert cluster.join(rank, name)[1] == "joined"
+        assert cluster.tell(name, "open a context")[1] == "opened"
+    assert _contexts_here() == 2
+
+    assert cluster.tell("w1", "leave") == ("w1", "left")
+    poll_until(lambda: _contexts_here() == 1, 30, "w1's context released here")
+    about_w1 = [r for r in caplog.records if "of departed worker 1" in r.getMessage()]
+    assert [r.levelno for r in about_w1] == [logging.DEBUG]
+
+    process = cluster.processes["w2"][0]
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(10)
+    poll_until(lambda: _contexts_here() == 0, 30, "w2's context released here")
+    about_w2 = [r for r in caplog.records if "of lost worker 2" in r.getMessage()]
+    assert [r.levelno for r in about_w2] == [logging.WARNING]
 
 
 def test_a_late_word_that_a_restarted_member_was_lost_does_not_evict_it(cluster):

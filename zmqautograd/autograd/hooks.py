@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any
 
-from zmqautograd.transport import Message, MessageType, PeerLostError
+from zmqautograd.transport import Message, MessageType, PeerDepartedError, PeerLostError
 
 from ..rpc.hooks import OutgoingCall
 from . import cleanup
@@ -178,19 +178,25 @@ class AutogradHooks:
 
     def peer_lost(self, peer: int, error: BaseException) -> None:
         """Passes waiting for that worker's report fail; contexts it created here can never be
-        released by it any more, nor those only lost workers could still release."""
+        released by it any more, nor those only lost workers could still release. A worker
+        that departed (said goodbye: it shut down) is no fault: what it created and is still
+        here is a release on its way down a chain (releases are not awaited, as in torch), or a
+        context it left open. Those are released quietly; a worker lost without a goodbye is
+        worth a warning."""
         name, worker_name = str(peer), self.agent.name_of(peer)
+        departed = isinstance(error, PeerDepartedError)
+        report, gone = (log.debug, "departed") if departed else (log.warning, "lost")
         with self._losses:
             self._lost.append(worker_name)
             self._losses.notify_all()
         self.contexts.peer_lost(peer, error, worker_name)
         orphans = self.contexts.release_created_by(peer, PeerLostError(name, f"creator lost: {error}"))
         if orphans:
-            log.warning("%s: released %d autograd context(s) of lost worker %s", self.agent.info, orphans, peer)
+            report("%s: released %d autograd context(s) of %s worker %s", self.agent.info, orphans, gone, peer)
         is_lost = self.agent.is_lost
         stranded = self.contexts.release_unreachable(is_lost, PeerLostError(name, f"released: {error}"))
         if stranded:
-            log.warning("%s: released %d autograd context(s) that only lost workers reached", self.agent.info, stranded)
+            report("%s: released %d autograd context(s) that only lost workers reached", self.agent.info, stranded)
 
     def lost_workers(self, wait: float = 0.0) -> list[str]:
         """The workers lost so far; waits up to ``wait`` seconds for a first one."""
