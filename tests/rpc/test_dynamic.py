@@ -65,6 +65,7 @@ class _Cluster:
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         self.context = mp.get_context("spawn")
         self.processes: dict[str, tuple] = {}
+        self.replaced: list[tuple] = []  # earlier workers of a name that was joined again
         self.secret = secret
 
     def join(self, rank: int, name: str, secret: str | None = None) -> tuple:
@@ -72,6 +73,8 @@ class _Cluster:
         process = self.context.Process(target=_member, args=(rank, name, self.init_method, commands, results,
                                                              secret or self.secret))
         process.start()
+        if name in self.processes:  # a second worker of that name (refused, or a restart)
+            self.replaced.append(self.processes[name])
         self.processes[name] = (process, commands, results)
         return self.next(name)
 
@@ -88,10 +91,11 @@ class _Cluster:
         return self.next(name)
 
     def close(self) -> None:
-        for process, commands, _ in self.processes.values():
+        everyone = [*self.processes.values(), *self.replaced]
+        for process, commands, _ in everyone:
             if process.is_alive():
                 commands.put("leave")
-        for process, _, _ in self.processes.values():
+        for process, _, _ in everyone:
             process.join(30)
             if process.is_alive():
                 process.kill()
