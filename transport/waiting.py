@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 _yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 _DESCRIPTOR_LOOKS = 4  # a spinning thread's looks at the rings per look at its descriptors
+_CALLERS_WINDOW = 0.1  # seconds: a wait for an answer that began longer ago is no loop of calls
 _MIN_SPIN = 5e-5  # seconds: a learnt spin shorter than this does not spin at all
 
 
@@ -73,37 +74,84 @@ class WaitingThreads:
         learns its own spin (see :meth:`_spin_length`)."""
         return self._wait(self.waiter(), ready, timeout, for_work)
 
-    def _become_reading_waiter(self: Endpoint, waiter: AnyWaiter) -> None:
-        """Watch the ROUTER in ``waiter``'s place from now on, with the I/O thread behind it
-        (transport/waiter.py)."""
+    def _take_reading_role(self: Endpoint, waiter: AnyWaiter, for_work: bool) -> tuple[bool, object | None]:
+        """Note the wait and decide who watches the ROUTER: whether ``waiter`` does, and the
+        token that ends a wait for an answer (``_end_answer_wait``).
+
+        A thread that waits for work reads (the most recent waiter first), and so does one
+        that waits for an answer while no other thread has begun to wait for one in the last
+        ``_CALLERS_WINDOW`` seconds: its input then wakes it directly. When callers wait at
+        once, none of them reads: the I/O thread receives for all and wakes each with its own
+        answer. A reading caller would receive their answers too, wake them, and hand its
+        role on when its own came, each a wake-up and a fight for the GIL (docs/performance.md,
+        "Callers waiting at once"). A wait that began longer ago (a shutdown barrier, a long
+        call) is no loop of calls: it counts no more."""
+        now = time.monotonic()
         with self._socket_lock:  # the descriptor is valid only while the ROUTER is open
+            token = None
+            callers = False
+            if not for_work:
+                waits = self._answer_waits
+                callers = any(now - began < _CALLERS_WINDOW for began in waits.values()) if waits else False
+                token = object()
+                waits[token] = now
             if not self._router_open:
-                return
-            previous = self._reading_waiter
-            for fd in self._shared_fds:
-                if previous is not None:
-                    previous.detach(fd)
+                return False, token
+            if callers:
+                if self._reading_waiter is not None:
+                    self._move_reading_role(None)  # the I/O thread, always behind, takes over
+                return False, token
+            if waiter.reads and self._reading_waiter is not waiter:
+                self._move_reading_role(waiter)
+            return waiter.reads, token
+
+    def _end_answer_wait(self: Endpoint, token: object) -> None:
+        with self._socket_lock:
+            del self._answer_waits[token]
+
+    def _move_reading_role(self: Endpoint, waiter: AnyWaiter | None) -> None:
+        """Watch the ROUTER with ``waiter`` (None: with none; the I/O thread, which always
+        watches it last in line, then receives) from now on (socket lock held, ROUTER open)."""
+        previous = self._reading_waiter
+        for fd in self._shared_fds:
+            if previous is not None:
+                previous.detach(fd)
+            if waiter is not None:
                 waiter.attach(fd)
+        if waiter is not None:
             self._io_poller.go_last()
-            self._reading_waiter = waiter
+        self._reading_waiter = waiter
 
     def _wait(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], timeout: float | None,
               for_work: bool = False) -> bool:
         if ready():
             return True
-        if waiter.reads and self._reading_waiter is not waiter:
-            self._become_reading_waiter(waiter)
+        reads, token = self._take_reading_role(waiter, for_work)
+        try:
+            return self._wait_counted(waiter, ready, timeout, for_work, reads)
+        finally:
+            if token is not None:
+                self._end_answer_wait(token)
+
+    def _wait_counted(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], timeout: float | None,
+                      for_work: bool, reads: bool) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         # The waiter whose spin this wait uses and teaches; None: this wait never spins.
-        learner = waiter if isinstance(waiter, Waiter) and waiter.reads and self.options.spin else None
+        learner = waiter if isinstance(waiter, Waiter) and reads and self.options.spin else None
         spin = self._spin_length(learner, for_work) if learner is not None else 0.0
         watched_from = None  # when this thread began to watch for input (learn_spin's sample)
         if type(waiter) is Waiter:
             waiter.sleeper = threading.get_ident()
         try:
             while True:
-                if waiter.reads:
+                if reads:
                     self._read_for_waiter()
+                    # It reads until another thread's wait takes the role away; this pass
+                    # took what may have woken it while it still watched.
+                    reads = self._reading_waiter is waiter
+                    if not reads:
+                        learner = None
+                        spin = 0.0
                 waiter.waiting = True  # from here on, whoever makes ready() true wakes us
                 if ready():
                     break

@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import poll_until
 
 from zmqautograd.transport import waiter as transport_waiter
+from zmqautograd.transport import waiting
 from zmqautograd.transport import EndpointClosedError, Message, MessageType
 from zmqautograd.transport.endpoint import Endpoint
 from zmqautograd.rpc.pool import ElasticPool
@@ -84,6 +85,74 @@ def test_the_dispatcher_receives_what_it_delivers():
             assert client.recv(30).payload == seq
         assert received.share(server._dispatch_thread.name) > 0.5, received.names[:20]
     finally:
+        client.close()
+        server.close()
+
+
+def _call_and_receive(client: Endpoint, calls: range) -> list:
+    replies = []
+    for seq in calls:
+        client.send("echo", Message(MessageType.PYTHON_CALL, seq + 1, "asker", seq))
+        replies.append(client.recv(30).payload)
+    return replies
+
+
+@linux_only
+def test_threads_that_wait_for_answers_at_once_leave_the_receiving_to_the_io_thread():
+    """A caller alone receives its answers itself; callers waiting at once leave it to the I/O
+    thread, which wakes each (a reading caller would receive and hand over the others'
+    answers); every answer arrives either way."""
+    received = ReceivingThreads()
+    server, client = _echo_pair({}, {"on_envelope": received})
+    try:
+        _call_and_receive(client, range(50))  # warm: connected both ways
+        received.names.clear()
+        replies: list = []
+        callers = [threading.Thread(target=lambda n=n: replies.extend(_call_and_receive(client, range(n, 1000, 4))),
+                                    name=f"caller-{n}") for n in range(4)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(60)
+        assert sorted(replies) == list(range(1000))
+        assert received.share(client._io_thread.name) > 0.5, received.names[:40]
+
+        received.names.clear()
+        assert _call_and_receive(client, range(300)) == list(range(300))
+        assert received.share(threading.current_thread().name) > 0.5, received.names[:40]
+    finally:
+        client.close()
+        server.close()
+
+
+@linux_only
+def test_a_wait_that_began_long_ago_does_not_stop_a_caller_from_receiving():
+    """A thread that waits for something slow (a shutdown barrier, a long call) is no caller in
+    a loop of calls: a caller that waits after it still receives its own answers."""
+    received = ReceivingThreads()
+    server, client = _echo_pair({}, {"on_envelope": received})
+    stop = threading.Event()
+    waiter = None
+
+    def wait_long() -> None:
+        nonlocal waiter
+        waiter = client.waiter()
+        client.wait_until(stop.is_set, 60)
+
+    slow = threading.Thread(target=wait_long)
+    try:
+        _call_and_receive(client, range(50))
+        slow.start()
+        _until(lambda: len(client._answer_waits) == 1)
+        time.sleep(waiting._CALLERS_WINDOW * 1.5)  # the age of that wait is what this test is about
+        received.names.clear()
+        assert _call_and_receive(client, range(300)) == list(range(300))
+        assert received.share(threading.current_thread().name) > 0.5, received.names[:40]
+    finally:
+        stop.set()
+        if waiter is not None:
+            waiter.wake()
+        slow.join(30)
         client.close()
         server.close()
 
