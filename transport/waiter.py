@@ -18,6 +18,8 @@ has just gone idle, rather than a thread that has waited for a long time), and t
 thread only when that thread is not asleep (it then receives and hands over as before).
 Correctness never depends on this order: whoever wakes receives under the socket lock, and
 whatever it receives goes where it belongs, with a wake-up for the thread that waits for it.
+When several threads wait for answers at once none of them reads, and the I/O thread receives
+for all (transport/waiting.py, ``_take_reading_role``).
 
 Without ``EPOLLEXCLUSIVE`` (not Linux, or Linux < 4.5) waiting threads never watch the ROUTER
 and only sleep on their wake-up descriptor; the I/O thread receives everything.
