@@ -86,11 +86,11 @@ class WaitingThreads:
         role on when its own came, each a wake-up and a fight for the GIL (docs/performance.md,
         "Callers waiting at once"). A wait that began longer ago (a shutdown barrier, a long
         call) is no loop of calls: it counts no more."""
-        now = time.monotonic()
         with self._socket_lock:  # the descriptor is valid only while the ROUTER is open
             token = None
             callers = False
             if not for_work:
+                now = time.monotonic()
                 waits = self._answer_waits
                 callers = any(now - began < _CALLERS_WINDOW for began in waits.values()) if waits else False
                 token = object()
