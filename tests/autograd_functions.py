@@ -223,33 +223,50 @@ def fail_hook(name: str, message: str | None) -> None:
     _hooked[name].failure = message
 
 
-_forwards = [0]
+_api_calls: dict[str, int] = {}
 
 
-def count_forwards() -> None:
-    """Count the gradient forwards this worker makes from now on (engine.py, "Forwarding"),
-    from zero."""
+def count_api_calls(name: str) -> None:
+    """Count the calls this worker makes to ``zmqautograd.autograd.api.<name>`` from now on,
+    from zero (``_forward_gradients``: gradient forwards, engine.py "Forwarding";
+    ``_send_gradients``: gradient requests its recv functions send)."""
     from zmqautograd.autograd import api
 
     with _lock:
-        _forwards[0] = 0
-    if getattr(api._forward_gradients, "counted", False):
+        _api_calls[name] = 0
+    real = getattr(api, name)
+    if getattr(real, "counted", False):
         return
-    real = api._forward_gradients
 
     def counted(*args):
         with _lock:
-            _forwards[0] += 1
+            _api_calls[name] += 1
         return real(*args)
 
     counted.counted = True
-    api._forward_gradients = counted
+    counted.real = real
+    setattr(api, name, counted)
+
+
+def restore_api_calls(name: str) -> None:
+    """Stop counting calls to ``api.<name>``."""
+    from zmqautograd.autograd import api
+
+    setattr(api, name, getattr(getattr(api, name), "real", getattr(api, name)))
+
+
+def take_api_calls(name: str) -> int:
+    with _lock:
+        count, _api_calls[name] = _api_calls[name], 0
+    return count
+
+
+def count_forwards() -> None:
+    count_api_calls("_forward_gradients")
 
 
 def take_forwards() -> int:
-    with _lock:
-        count, _forwards[0] = _forwards[0], 0
-    return count
+    return take_api_calls("_forward_gradients")
 
 
 def sparse_rows(weight: torch.Tensor) -> torch.Tensor:

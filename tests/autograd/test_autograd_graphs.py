@@ -62,6 +62,31 @@ def test_three_stage_pipeline_mlp_matches_local_autograd(group):
     assert x.grad is not None and all(p.grad is not None for m in local for p in m.parameters())
 
 
+def test_a_nested_chains_gradients_go_back_on_the_answers(group):
+    """Each worker of a chain of nested calls sends one gradient request, to the next worker;
+    the gradients for the tensors it received ride back on the answers (engine.py,
+    ``Pass.deliver``), not in requests of their own (torch sends one for each hop back)."""
+    workers = ["worker1", "worker2", "worker3"]
+    for i, (name, worker) in enumerate(zip(NAMES, workers)):
+        rpc.rpc_sync(worker, af.make_stage, args=(name, i, WIDTH))
+    x = torch.randn(5, WIDTH, requires_grad=True)
+    for worker in workers:
+        rpc.rpc_sync(worker, af.count_api_calls, args=("_send_gradients",))
+    af.count_api_calls("_send_gradients")
+    try:
+        for _ in range(2):
+            with dist_autograd.context() as context_id:
+                out = rpc.rpc_sync(workers[0], af.pipeline, args=(x, NAMES, workers))
+                dist_autograd.backward(context_id, [out.sum()])
+                assert dist_autograd.get_gradients(context_id)[x].shape == x.shape
+        sent = [af.take_api_calls("_send_gradients")]
+        sent += [rpc.rpc_sync(worker, af.take_api_calls, args=("_send_gradients",)) for worker in workers]
+    finally:
+        af.restore_api_calls("_send_gradients")
+    assert sent == [2, 2, 2, 0]  # two passes; the last worker's gradients ride on its answer
+    _counts_everywhere(workers)
+
+
 def test_fan_out_fan_in_runs_every_node_once(group):
     """x goes to three workers; their results are combined on a fourth and on the caller.
     The caller's x is reached by three send functions and the local root."""

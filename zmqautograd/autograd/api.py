@@ -190,7 +190,8 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
     when ``run`` does not wait for the answer; ``ticketed``: with a ticket, and the routes
     and report sink of the originator, which waits for a report: engine.py, "Forwarding").
     The future completes once the answer came and the gradients that rode on it (see
-    ``Pass._fire_recv``) were delivered here."""
+    ``Pass._fire_recv``) were delivered here; its result is True when they were (their
+    delivery counted the request as answered: ``Pass.deliver``)."""
     agent = _agent()
     placement = agent.placement_back(info.from_worker, info.in_response)
     args: tuple = (info.context_id, info.message_id, run.pass_id, run.retain_graph, grads, agent.rank if awaited else -1)
@@ -205,15 +206,16 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
     delivered = Outcome()
 
     def answered(riding: Any, error: BaseException | None) -> None:
+        settled = False
         if error is None and riding is not None:
             try:
-                _accept_gradients(agent, *riding, start=False)
+                settled = _accept_gradients(agent, *riding, start=False, settles=run)[0] is run
             except Exception as exc:  # noqa: BLE001 - fails our pass (its _request_done)
                 error = exc
         if error is not None:
             delivered.set_exception(error)
         else:
-            delivered.set_result(None)
+            delivered.set_result(settled)
 
     # On the originator the answer is handled on the thread that runs the pass (no hand-over
     # through the pool); elsewhere passes run on pool threads, and so does the answer.
@@ -359,11 +361,13 @@ def _settle_report(agent: AgentPort, run: Pass, report: Any, error: BaseExceptio
 
 def _accept_gradients(agent: AgentPort, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
                       *, requester: int | None = None, start: bool = True,
-                      ticket: tuple | None = None) -> tuple[Pass, bool]:
+                      ticket: tuple | None = None, settles: Pass | None = None) -> tuple[Pass, bool]:
     """Deliver the gradients for send function ``message_id`` to pass ``pass_id`` here,
     starting it if it is new and ``start`` (``requester`` waits for its answer). The pass,
     and whether it is new. Gradients riding on an answer never start a pass: the pass that
-    asked is here, or was superseded (they are then dropped with an error)."""
+    asked is here, or was superseded (they are then dropped with an error); ``settles``:
+    the pass whose request they answer, counted as answered by their delivery when it is the
+    pass here (``Pass.deliver``)."""
     try:
         ctx = agent.hooks.contexts.retrieve(context_id)
         ctx.send_function(message_id)  # a clear error for an unknown message id
@@ -374,7 +378,7 @@ def _accept_gradients(agent: AgentPort, context_id: int, message_id: int, pass_i
             raise RpcError(f"backward pass {pass_id} of context {context_id} is no longer running here")
         if first:
             run = _start_pass(agent, ctx, pass_id, retain_graph, None, requester, ticket)
-        run.deliver(message_id, list(grads))
+        run.deliver(message_id, list(grads), settles=run is settles)
     except Exception as exc:
         # The sender does not wait for this answer when we started the pass (see engine.py):
         # our own pass must fail instead of waiting for gradients that will not come.

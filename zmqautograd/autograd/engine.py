@@ -193,9 +193,12 @@ class Pass:
 
     # ------------------------------------------------------------------- delivering roots
 
-    def deliver(self, key: Any, grads: list) -> None:
+    def deliver(self, key: Any, grads: list, settles: bool = False) -> None:
         """Root ``key`` delivers its gradients (one per root edge; None for none); then run
-        what became ready on this thread."""
+        what became ready on this thread. ``settles``: they rode on the answer to one of our
+        requests, which counts as answered with them (see ``_request_done``): a recv function
+        they make fire may then be the pass's last step and ride on our own answer in turn,
+        so a nested chain's gradients go back with the answers, not in requests of their own."""
         plan = self.plan
         bit = plan.root_bits.get(key)
         if bit is None:
@@ -206,6 +209,7 @@ class Pass:
             if self._delivered & bit:
                 raise RpcError(f"backward pass {self.pass_id}: root {key!r} delivered twice")
             self._delivered |= bit
+            self._outstanding -= settles
             for (node, slot), grad in zip(plan.roots[key], grads):
                 if grad is not None:
                     self._buffer(node, slot, grad)
@@ -527,12 +531,13 @@ class Pass:
 
     def _request_done(self, future: Outcome) -> None:
         try:
-            future.value()
+            settled = future.value()  # True: counted when the gradients riding on it were delivered
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
             return
-        with self._lock:
-            self._outstanding -= 1
+        if settled is not True:
+            with self._lock:
+                self._outstanding -= 1
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
