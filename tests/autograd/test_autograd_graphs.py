@@ -218,6 +218,24 @@ def test_context_releases_ride_on_the_next_call_and_pass_on_to_nested_workers(gr
             rpc.rpc_sync(worker, af.set_cleanup_delay, args=(delay,))
 
 
+def test_releases_ride_down_a_chain_with_the_next_steps_calls(group):
+    # A worker passes the releases that rode on a call on before it runs the call's function,
+    # so its own nested call carries them on: a chain's next step takes the releases of the
+    # step before to its end, with no batch timer (an hour out here) and no request.
+    previous = {w: rpc.rpc_sync(w, af.set_cleanup_delay, args=(3600.0,)) for w in group.names}
+    try:
+        x = torch.ones(3, requires_grad=True)
+        with dist_autograd.context() as first:
+            rpc.rpc_sync("worker1", af.forward_to, args=("worker2", x))
+        with dist_autograd.context():
+            rpc.rpc_sync("worker1", af.forward_to, args=("worker2", x))
+            assert rpc.rpc_sync("worker1", af.has_context, args=(first,)) is False
+            assert rpc.rpc_sync("worker2", af.has_context, args=(first,)) is False
+    finally:
+        for worker, delay in previous.items():
+            rpc.rpc_sync(worker, af.set_cleanup_delay, args=(delay,))
+
+
 def test_releases_riding_on_a_builtin_call_apply_after_its_answer(group):
     # A builtin cannot wait for a release, so the releases riding on its call apply after its
     # answer left (agent._run_call): they must still apply, with no batch timer to send them.

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 class _Served:
     """A call being served: its context (None if it was not recorded), the context releases
-    that rode on it and those already removed before it ran."""
+    that rode on it (None once applied) and the contexts removed before it ran (dropped with
+    it)."""
 
     __slots__ = ("sender", "context", "releases", "removed")
 
@@ -100,8 +101,11 @@ class AutogradHooks:
         """The call's context becomes current (nested calls carry it on). The releases that
         rode on it are of contexts the caller left before it made the call, so the call is in
         none of them; a Python function might look for them though (wait until they are
-        gone): those are removed before it runs, the rest after the answer left, when they
-        cost the call no latency."""
+        gone): those are removed before it runs and passed on at once, so that the calls it
+        makes carry them on (down a chain of nested calls, with the next step's calls, where
+        each link's batch timer would otherwise send them as a request); their contexts are
+        dropped after the answer left, when that costs the call no latency. Builtins' are
+        released after the answer."""
         local = self._local
         previous = local.context
         if served is None:
@@ -109,6 +113,8 @@ class AutogradHooks:
             return previous
         if served.releases is not None and not isinstance(function, BUILTIN_TYPES):
             served.removed = self._remove_riding(served.sender, served.releases)
+            self._release_riding(served.sender, served.releases, served.removed)
+            served.releases = None  # done: ``served`` only holds the removed contexts now
         local.context = served.context
         return previous
 
