@@ -6,15 +6,16 @@ instrumentation off (importing torch stays fast); once the driver has warmed up,
 are switched on (``callgrind_control -i on``), the driver runs ``--steps`` steps, and all are
 switched off again. What each process executed in that window, divided by the steps, is its
 share of a step; the sum over processes is the step's cost. Workloads (the steps of
-tools/bench_scale.py): ``hop`` (one-hop dist autograd step, 2 processes) and ``fanout``
-(the driver calls 3 workers at once, sums, backward; 4 processes).
+tools/bench_scale.py): ``hop`` (one-hop dist autograd step, 2 processes), ``fanout``
+(the driver calls 3 workers at once, sums, backward; 4 processes) and ``chain`` (a chain of
+nested calls through 3 workers, backward; 4 processes).
 
 Waiting is switched to sleeping for the measure (``spin=0``, no busy polling): a spinning
 thread executes instructions for as long as it waits, which depends on time. So this counts
 the work a step does, not the way processes wait; judge spinning by CPU seconds per step
 (tools/bench_scale.py).
 
-    python tools/bench_instr.py [A [B]] [--steps 100] [--workloads hop,fanout] [--repeat 1]
+    python tools/bench_instr.py [A [B]] [--steps 100] [--workloads hop,fanout,chain] [--repeat 1]
 
 A and B are git revisions; A defaults to HEAD, B to the working tree (uncommitted changes
 included). Each is exported (``git archive``) and imported from there through PYTHONPATH.
@@ -34,7 +35,7 @@ import time
 import ports  # tools/ports.py (this script's folder is first on sys.path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKLOADS = {"hop": 2, "fanout": 4}  # workload: processes
+WORKLOADS = {"hop": 2, "fanout": 4, "chain": 4}  # workload: processes
 WARMUP = 20
 # Slow under callgrind (20-50x): generous bounds, so that nothing times out while measured.
 OPTIONS = dict(spin=0.0, busy_poll=0.0, rpc_timeout=600, peer_timeout=300, heartbeat_interval=5.0)
@@ -67,6 +68,8 @@ def _worker(rank: int, world: int, port: int, workload: str, steps: int) -> None
         def step() -> None:
             if workload == "hop":
                 bench_scale.one_hop_step(rpc, autograd, x)
+            elif workload == "chain":
+                bench_scale.chain_step(rpc, autograd, x, workers)
             else:
                 bench_scale.fan_out_step(rpc, autograd, x, workers)
 
@@ -160,7 +163,7 @@ def main() -> None:
     parser.add_argument("a", nargs="?", default="HEAD", help="git revision (default HEAD)")
     parser.add_argument("b", nargs="?", default="WORKTREE", help="git revision (default: the working tree)")
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--workloads", default="hop,fanout")
+    parser.add_argument("--workloads", default="hop,fanout,chain")
     parser.add_argument("--repeat", type=int, default=1, help="runs per tree and workload (shows the spread)")
     args = parser.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
