@@ -3,6 +3,7 @@ counters proving that every node ran once per pass (FAST mode), on real worker p
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -199,11 +200,21 @@ def test_a_pass_waiting_for_gradients_that_never_come_fails_after_the_rpc_timeou
         rpc._set_rpc_timeout(previous)
 
 
+@contextlib.contextmanager
+def _no_cleanup_timer(workers: list):
+    """The workers' batch timers an hour out: a release can only travel on a call."""
+    previous = {w: rpc.rpc_sync(w, af.set_cleanup_delay, args=(3600.0,)) for w in workers}
+    try:
+        yield
+    finally:
+        for worker, delay in previous.items():
+            rpc.rpc_sync(worker, af.set_cleanup_delay, args=(delay,))
+
+
 def test_context_releases_ride_on_the_next_call_and_pass_on_to_nested_workers(group):
     # With the batch timer an hour out, a release can only travel on a call: the next call
     # to a worker must carry it there, and that worker pass it on (on its next call).
-    previous = {w: rpc.rpc_sync(w, af.set_cleanup_delay, args=(3600.0,)) for w in group.names}
-    try:
+    with _no_cleanup_timer(group.names):
         x = torch.ones(3, requires_grad=True)
         with dist_autograd.context() as context_id:
             rpc.rpc_sync("worker1", af.forward_to, args=("worker2", x))
@@ -213,17 +224,13 @@ def test_context_releases_ride_on_the_next_call_and_pass_on_to_nested_workers(gr
         assert rpc.rpc_sync("worker2", af.has_context, args=(context_id,)) is True
         rpc.rpc_sync("worker1", af.forward_to, args=("worker2", torch.ones(1)))
         assert rpc.rpc_sync("worker2", af.has_context, args=(context_id,)) is False
-    finally:
-        for worker, delay in previous.items():
-            rpc.rpc_sync(worker, af.set_cleanup_delay, args=(delay,))
 
 
 def test_releases_ride_down_a_chain_with_the_next_steps_calls(group):
     # A worker passes the releases that rode on a call on before it runs the call's function,
     # so its own nested call carries them on: a chain's next step takes the releases of the
     # step before to its end, with no batch timer (an hour out here) and no request.
-    previous = {w: rpc.rpc_sync(w, af.set_cleanup_delay, args=(3600.0,)) for w in group.names}
-    try:
+    with _no_cleanup_timer(group.names):
         x = torch.ones(3, requires_grad=True)
         with dist_autograd.context() as first:
             rpc.rpc_sync("worker1", af.forward_to, args=("worker2", x))
@@ -231,9 +238,6 @@ def test_releases_ride_down_a_chain_with_the_next_steps_calls(group):
             rpc.rpc_sync("worker1", af.forward_to, args=("worker2", x))
             assert rpc.rpc_sync("worker1", af.has_context, args=(first,)) is False
             assert rpc.rpc_sync("worker2", af.has_context, args=(first,)) is False
-    finally:
-        for worker, delay in previous.items():
-            rpc.rpc_sync(worker, af.set_cleanup_delay, args=(delay,))
 
 
 def test_releases_riding_on_a_builtin_call_apply_after_its_answer(group):
