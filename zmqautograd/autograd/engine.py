@@ -419,7 +419,7 @@ class Pass:
         with self._lock:
             # The last step of the pass sends to the worker waiting for our answer: the
             # gradients ride on that answer, one message instead of a request, its answer
-            # and ours (the requester delivers them before it counts our answer in). Only
+            # and ours (the requester counts our answer in as it delivers them). Only
             # for tensors that came in a request: the answer follows the response device map.
             rides = (
                 info.from_worker == self.requester and not info.in_response
