@@ -252,7 +252,8 @@ def restore_api_calls(name: str) -> None:
     """Stop counting calls to ``api.<name>``."""
     from zmqautograd.autograd import api
 
-    setattr(api, name, getattr(getattr(api, name), "real", getattr(api, name)))
+    current = getattr(api, name)
+    setattr(api, name, getattr(current, "real", current))
 
 
 def take_api_calls(name: str) -> int:

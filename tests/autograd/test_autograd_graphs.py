@@ -85,7 +85,7 @@ def test_a_nested_chains_gradients_go_back_on_the_answers(group):
     finally:
         af.restore_api_calls("_send_gradients")
     assert sent == [2, 2, 2, 0]  # two passes; the last worker's gradients ride on its answer
-    _counts_everywhere(workers)
+    _counts_everywhere(workers)  # (the stages' node counters start from zero for the next test)
 
 
 def test_fan_out_fan_in_runs_every_node_once(group):

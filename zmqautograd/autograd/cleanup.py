@@ -110,25 +110,17 @@ def release_everywhere(agent: AgentPort, context: Any, skip: int = -1) -> None:
             agent.hooks.contexts.cleanups.add(worker, [context.context_id], send)
 
 
-def release_here(agent: AgentPort, context_ids: list, from_worker: int) -> None:
+def release_here(agent: AgentPort, context_ids: list, from_worker: int) -> list:
     """``from_worker`` released these contexts: release them here too, and pass them on.
-    Idempotent; unknown ids are fine (never here, or released already)."""
-    pass_on(agent, remove_here(agent, context_ids), from_worker)
-
-
-def remove_here(agent: AgentPort, context_ids: list) -> list:
-    """The first half of ``release_here``: forget the contexts here (what code running here
-    can observe), returning those that were here, for ``pass_on``."""
+    Idempotent; unknown ids are fine (never here, or released already). Returns the contexts
+    that were here: dropping a context's graph and gradients is most of a release's cost (~7
+    of ~11 us measured in a pipeline's workers), so a worker serving a call keeps them until
+    its answer left."""
     remove = agent.hooks.contexts.remove
-    return [context for context_id in context_ids if (context := remove(context_id)) is not None]
-
-
-def pass_on(agent: AgentPort, removed: list, from_worker: int) -> None:
-    """The second half of ``release_here``: release the ``removed`` contexts on the workers
-    they reached. (The caller drops them after this: dropping a context's graph and gradients
-    is most of a release's cost, ~7 of ~11 us measured in a pipeline's workers.)"""
+    removed = [context for context_id in context_ids if (context := remove(context_id)) is not None]
     for context in removed:
         release_everywhere(agent, context, skip=from_worker)
+    return removed
 
 
 @protocol_function

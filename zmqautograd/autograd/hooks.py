@@ -91,7 +91,7 @@ class AutogradHooks:
                 context = record_recv(self.contexts, payload["ag"], message.tensors or [], int(message.sender))
             except BaseException:
                 if releases is not None:
-                    self._release_riding(message.sender, releases, None)
+                    self._release_riding(message.sender, releases)
                 raise
         if context is None and releases is None:
             return None
@@ -112,8 +112,7 @@ class AutogradHooks:
             local.context = None
             return previous
         if served.releases is not None and not isinstance(function, BUILTIN_TYPES):
-            served.removed = self._remove_riding(served.sender, served.releases)
-            self._release_riding(served.sender, served.releases, served.removed)
+            served.removed = self._release_riding(served.sender, served.releases)
             served.releases = None  # done: ``served`` only holds the removed contexts now
         local.context = served.context
         return previous
@@ -157,22 +156,13 @@ class AutogradHooks:
 
     def call_answered(self, served: _Served | None) -> None:
         if served is not None and served.releases is not None:
-            self._release_riding(served.sender, served.releases, served.removed)
+            self._release_riding(served.sender, served.releases)
 
-    def _release_riding(self, sender: int | str, releases: Any, removed: list | None) -> None:
-        """Apply the context releases that rode on a call from ``sender``: all of them, or,
-        given those removed before the call ran, pass those on."""
+    def _release_riding(self, sender: int | str, releases: Any) -> list:
+        """Apply the context releases that rode on a call from ``sender``
+        (``cleanup.release_here``); the contexts removed here, for the caller to drop."""
         try:
-            if removed is None:
-                cleanup.release_here(self.agent, releases, int(sender))
-            else:
-                cleanup.pass_on(self.agent, removed, int(sender))
-        except Exception:  # noqa: BLE001 - never the call's failure
-            log.exception("%s: releasing the contexts %s from %s failed", self.agent.info, releases, sender)
-
-    def _remove_riding(self, sender: int | str, releases: Any) -> list:
-        try:
-            return cleanup.remove_here(self.agent, releases)
+            return cleanup.release_here(self.agent, releases, int(sender))
         except Exception:  # noqa: BLE001 - never the call's failure
             log.exception("%s: releasing the contexts %s from %s failed", self.agent.info, releases, sender)
             return []
