@@ -75,26 +75,24 @@ def test_the_thread_in_recv_receives_its_answers_itself():
         server.stop()
 
 
-@linux_only
-def test_the_dispatcher_receives_what_it_delivers():
-    received = ReceivingThreads()
-    server, client = _echo_pair({}, {}, server_receivers=received)
-    try:
-        for seq in range(300):
-            client.send("echo", Message(MessageType.PYTHON_CALL, seq + 1, "asker", seq))
-            assert client.recv(30).payload == seq
-        assert received.share(server._dispatch_thread.name) > 0.5, received.names[:20]
-    finally:
-        client.close()
-        server.close()
-
-
 def _call_and_receive(client: Endpoint, calls: range) -> list:
     replies = []
     for seq in calls:
         client.send("echo", Message(MessageType.PYTHON_CALL, seq + 1, "asker", seq))
         replies.append(client.recv(30).payload)
     return replies
+
+
+@linux_only
+def test_the_dispatcher_receives_what_it_delivers():
+    received = ReceivingThreads()
+    server, client = _echo_pair({}, {}, server_receivers=received)
+    try:
+        assert _call_and_receive(client, range(300)) == list(range(300))
+        assert received.share(server._dispatch_thread.name) > 0.5, received.names[:20]
+    finally:
+        client.close()
+        server.close()
 
 
 @linux_only
@@ -295,9 +293,7 @@ def test_threads_that_get_no_descriptors_wait_on_a_lock(monkeypatch):
     try:
         assert isinstance(client.waiter(), transport_waiter.LockWaiter)
         assert isinstance(server._dispatch_waiter, transport_waiter.LockWaiter)
-        for seq in range(100):
-            client.send("echo", Message(MessageType.PYTHON_CALL, seq + 1, "asker", seq))
-            assert client.recv(30).payload == seq
+        assert _call_and_receive(client, range(100)) == list(range(100))
         start = time.monotonic()
         assert client.wait_until(lambda: False, 0.2) is False
         assert 0.15 < time.monotonic() - start < 5
