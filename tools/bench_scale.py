@@ -118,6 +118,16 @@ def chain_step(rpc, autograd, x: torch.Tensor, workers: list[str]) -> None:
         autograd.get_gradients(context_id)
 
 
+def lab_step(kind: str, rpc, autograd, others: list[str]):
+    """The step of a tools/lab row kind (one-hop, threads, fan-out, chain), as a function."""
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    if kind in ("one-hop", "threads"):
+        return lambda: one_hop_step(rpc, autograd, x)
+    if kind == "fan-out":
+        return lambda: fan_out_step(rpc, autograd, x, others)
+    return lambda: chain_step(rpc, autograd, x, others)
+
+
 def _timed(rpc, world: int, steps: int, step) -> tuple[float, float]:
     """Seconds per step, and CPU seconds per step summed over every process of the group."""
     others = [f"worker{r}" for r in range(1, world)]

@@ -186,6 +186,24 @@ def test_kind_line_names_the_cpu_and_the_hypervisor():
     assert line.startswith("machine: ") and " CPU(s), " in line and os.uname().release in line
 
 
+@pytest.mark.timeout(60)
+def test_gil_handovers_names_what_gave_the_gil_up():
+    """tools/lab/gil_handovers.py: native stacks of futex calls (innermost first) by cause."""
+    from tools.lab import gil_handovers
+
+    taken_after_free = ["__futex_abstimed_wait_common", "take_gil", "PyEval_AcquireThread",
+                        "pybind11::gil_scoped_acquire::gil_scoped_acquire", "THPVariable_clear", "THPVariable_dealloc"]
+    assert gil_handovers.cause_of(taken_after_free) == "the GIL, after torch: a tensor object freed"
+    after_lock = ["futex_wait", "take_gil", "PyEval_RestoreThread", "acquire_timed", "lock_PyThread_acquire_lock"]
+    assert gil_handovers.cause_of(after_lock) == "the GIL, after a blocking lock acquire (Lock, Condition, queue)"
+    after_op = ["futex_wake", "drop_gil", "PyEval_SaveThread", "pybind11::gil_scoped_release::gil_scoped_release",
+                "torch::autograd::THPVariable_view", "method_vectorcall_VARARGS_KEYWORDS"]
+    assert gil_handovers.cause_of(after_op) == "the GIL, after torch: an op called from Python (it releases the GIL)"
+    assert gil_handovers.cause_of(["futex_wake", "__new_sem_post", "PyThread_release_lock"]) == \
+        "waking a thread (lock release)"
+    assert gil_handovers.cause_of(["futex_wait", "__GI___lll_lock_wait"]).startswith("other: futex_wait < ")
+
+
 @pytest.mark.timeout(240)
 def test_bench_scale_prints_both_frameworks_and_their_ratios():
     """tools/bench_scale.py, as small as it goes: one launch of each framework, world 2 (one

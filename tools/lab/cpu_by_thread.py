@@ -20,7 +20,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from tools import bench_scale, ports  # noqa: E402
@@ -67,10 +66,10 @@ def cpu_by_role(skip: frozenset[int] = frozenset()) -> dict[str, float]:
 def _group(rank: int, world: int, port: int, row: str, steps: int, framework: str, results) -> None:
     rpc, autograd = bench_scale._join(rank, world, framework, port)
     if rank == 0:
-        x = torch.randn(4, bench_scale.WIDTH, requires_grad=True)
         others = [f"worker{r}" for r in range(1, world)]
         kind, _, value = row.partition(":")
         threads = int(value) if kind == "threads" else 1
+        step = bench_scale.lab_step(kind, rpc, autograd, others)
 
         ended: list[float] = []  # CPU of driver threads, read by each as it ends (then /proc forgets it)
         slept: list[int] = []  # and their sleeps
@@ -83,12 +82,7 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, framework: st
 
         def steps_loop(count: int) -> None:
             for _ in range(count):
-                if kind in ("one-hop", "threads"):
-                    bench_scale.one_hop_step(rpc, autograd, x)
-                elif kind == "fan-out":
-                    bench_scale.fan_out_step(rpc, autograd, x, others)
-                else:
-                    bench_scale.chain_step(rpc, autograd, x, others)
+                step()
 
         steps_loop(20)
         before = [cpu_by_role()] + [rpc.rpc_sync(w, cpu_by_role) for w in others]

@@ -27,7 +27,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from tools import bench_scale, ports  # noqa: E402
@@ -64,19 +63,10 @@ _CAUSES = (
 def _group(rank: int, world: int, port: int, row: str, seconds: float, framework: str, results) -> None:
     rpc, autograd = bench_scale._join(rank, world, framework, port)
     if rank == 0:
-        x = torch.randn(4, bench_scale.WIDTH, requires_grad=True)
         others = [f"worker{r}" for r in range(1, world)]
         kind, _, value = row.partition(":")
         threads = int(value) if kind == "threads" else 1
-
-        def step() -> None:
-            if kind in ("one-hop", "threads"):
-                bench_scale.one_hop_step(rpc, autograd, x)
-            elif kind == "fan-out":
-                bench_scale.fan_out_step(rpc, autograd, x, others)
-            else:
-                bench_scale.chain_step(rpc, autograd, x, others)
-
+        step = bench_scale.lab_step(kind, rpc, autograd, others)
         for _ in range(20):
             step()
         pids = [os.getpid()] + [rpc.rpc_sync(w, os.getpid) for w in others]
@@ -116,22 +106,27 @@ def _read_stat(path: str) -> dict[str, float]:
     return found
 
 
+def cause_of(frames: list[str]) -> str:
+    """What a futex call with native call stack ``frames`` (innermost first) was for: the
+    GIL given up or taken back after what (``_CAUSES``), or another lock's or condition's."""
+    gil = next((i for i, name in enumerate(frames) if name in ("take_gil", "drop_gil")), None)
+    if gil is not None:
+        frames = [name for name in frames[gil + 1:] if name not in _GIL_PLUMBING]
+    cause = next((label for key, label in _CAUSES for name in frames[:3] if key in name), None)
+    if cause is None:  # not the GIL (another lock, a condition variable: C++ threads), or unknown
+        cause = "other: " + " < ".join(name[:60] for name in frames[:2])
+    return ("the GIL, after " if gil is not None else "") + cause
+
+
 def _causes(data: str) -> collections.Counter:
-    """Futex calls recorded in ``data``, counted by cause (see ``_CAUSES``)."""
+    """Futex calls recorded in ``data``, counted by cause (``cause_of``)."""
     script = subprocess.run(["perf", "script", "-i", data, "-F", "ip,sym"], capture_output=True, text=True, check=True,
                             timeout=600).stdout
     counted: collections.Counter = collections.Counter()
     for sample in script.split("\n\n"):
         frames = [line.split(None, 1)[1].split("+")[0] for line in sample.strip().splitlines() if len(line.split(None, 1)) > 1]
-        if not frames:
-            continue
-        gil = next((i for i, name in enumerate(frames) if name in ("take_gil", "drop_gil")), None)
-        if gil is not None:
-            frames = [name for name in frames[gil + 1:] if name not in _GIL_PLUMBING]
-        cause = next((label for key, label in _CAUSES for name in frames[:3] if key in name), None)
-        if cause is None:  # not the GIL (another lock, a condition variable: C++ threads), or unknown
-            cause = "other: " + " < ".join(name[:60] for name in frames[:2])
-        counted[("the GIL, after " if gil is not None else "") + cause] += 1
+        if frames:
+            counted[cause_of(frames)] += 1
     return counted
 
 
