@@ -118,14 +118,19 @@ def chain_step(rpc, autograd, x: torch.Tensor, workers: list[str]) -> None:
         autograd.get_gradients(context_id)
 
 
-def lab_step(kind: str, rpc, autograd, others: list[str]):
-    """The step of a tools/lab row kind (one-hop, threads, fan-out, chain), as a function."""
+def lab_row(row: str, rpc, autograd, world: int) -> tuple:
+    """A tools/lab row (one-hop, threads:N, fan-out:N, chain:N) on the driver: its step as a
+    function, the driver threads that run it, and the other workers."""
+    kind, _, value = row.partition(":")
+    others = [f"worker{r}" for r in range(1, world)]
     x = torch.randn(4, WIDTH, requires_grad=True)
     if kind in ("one-hop", "threads"):
-        return lambda: one_hop_step(rpc, autograd, x)
-    if kind == "fan-out":
-        return lambda: fan_out_step(rpc, autograd, x, others)
-    return lambda: chain_step(rpc, autograd, x, others)
+        step = lambda: one_hop_step(rpc, autograd, x)  # noqa: E731
+    elif kind == "fan-out":
+        step = lambda: fan_out_step(rpc, autograd, x, others)  # noqa: E731
+    else:
+        step = lambda: chain_step(rpc, autograd, x, others)  # noqa: E731
+    return step, int(value) if kind == "threads" else 1, others
 
 
 def _timed(rpc, world: int, steps: int, step) -> tuple[float, float]:

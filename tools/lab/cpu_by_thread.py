@@ -66,10 +66,7 @@ def cpu_by_role(skip: frozenset[int] = frozenset()) -> dict[str, float]:
 def _group(rank: int, world: int, port: int, row: str, steps: int, framework: str, results) -> None:
     rpc, autograd = bench_scale._join(rank, world, framework, port)
     if rank == 0:
-        others = [f"worker{r}" for r in range(1, world)]
-        kind, _, value = row.partition(":")
-        threads = int(value) if kind == "threads" else 1
-        step = bench_scale.lab_step(kind, rpc, autograd, others)
+        step, threads, others = bench_scale.lab_row(row, rpc, autograd, world)
 
         ended: list[float] = []  # CPU of driver threads, read by each as it ends (then /proc forgets it)
         slept: list[int] = []  # and their sleeps

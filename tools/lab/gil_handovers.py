@@ -63,10 +63,7 @@ _CAUSES = (
 def _group(rank: int, world: int, port: int, row: str, seconds: float, framework: str, results) -> None:
     rpc, autograd = bench_scale._join(rank, world, framework, port)
     if rank == 0:
-        others = [f"worker{r}" for r in range(1, world)]
-        kind, _, value = row.partition(":")
-        threads = int(value) if kind == "threads" else 1
-        step = bench_scale.lab_step(kind, rpc, autograd, others)
+        step, threads, others = bench_scale.lab_row(row, rpc, autograd, world)
         for _ in range(20):
             step()
         pids = [os.getpid()] + [rpc.rpc_sync(w, os.getpid) for w in others]
