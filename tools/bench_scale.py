@@ -118,6 +118,12 @@ def chain_step(rpc, autograd, x: torch.Tensor, workers: list[str]) -> None:
         autograd.get_gradients(context_id)
 
 
+def lab_world(row: str) -> int:
+    """The processes of a tools/lab row: N for fan-out:N and chain:N, else 2."""
+    kind, _, value = row.partition(":")
+    return int(value) if kind in ("fan-out", "chain") else 2
+
+
 def lab_row(row: str, rpc, autograd, world: int) -> tuple:
     """A tools/lab row (one-hop, threads:N, fan-out:N, chain:N) on the driver: its step as a
     function, the driver threads that run it, and the other workers."""

@@ -109,8 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--framework", choices=["zmq", "tp"], default="zmq", help="tp: TensorPipe, for comparison")
     args = parser.parse_args()
-    kind, _, value = args.row.partition(":")
-    world = int(value) if kind in ("fan-out", "chain") else 2
+    world = bench_scale.lab_world(args.row)
     results = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.framework, results), nprocs=world,
                        start_method="spawn")

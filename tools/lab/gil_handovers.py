@@ -5,10 +5,11 @@
 * Per process, per step: context switches, futex calls (sleeps and wake-ups on locks,
   condition variables and the GIL) and the system calls through which a Python thread gives
   the GIL up (reads, writes, sends, polls, ``sched_yield``).
-* ``--causes``: the driver's futex calls (one in four, for 2 s), recorded with their native call stacks, grouped by
-  what made the thread give the GIL up or take it back (a blocking lock, a torch op, a tensor
-  freed, torch's bridge to a tensor's Python object, a system call). With several driver
-  threads, each such point is a hand-over of the GIL: a sleep and a wake-up.
+* ``--causes``: the driver's futex calls (one in four, for 2 s), recorded with their native
+  call stacks, grouped by what made the thread give the GIL up or take it back (a blocking
+  lock, a torch op, a tensor freed, torch's bridge to a tensor's Python object, a system
+  call). With several driver threads, each such point is a hand-over of the GIL: a sleep
+  and a wake-up.
 
     python tools/lab/gil_handovers.py one-hop|threads:16|fan-out:16|chain:8 [--seconds 10] [--framework tp] [--causes]
 """
@@ -32,6 +33,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from tools import bench_scale, ports  # noqa: E402
 
 SYSCALLS = ("futex", "read", "write", "sendto", "poll", "epoll_wait", "sched_yield")
+COLUMNS = ("context-switches", *SYSCALLS)  # per process and step
 
 # Frames between the GIL's own functions and what made a thread give it up or take it back.
 _GIL_PLUMBING = frozenset((
@@ -41,6 +43,7 @@ _GIL_PLUMBING = frozenset((
     "acquire_timed", "_PyEval_EvalFrameDefault",
 ))
 # What a frame says about the cause, first match wins (C++ names of torch 2.13, CPython 3.11's).
+_SYSTEM_CALL = "a system call (poll, epoll, read, write, send, sched_yield)"
 _CAUSES = (
     ("lock_PyThread_acquire_lock", "a blocking lock acquire (Lock, Condition, queue)"),
     ("ConcretePyInterpreterVTable::incref", "torch: a tensor's Python object referenced from C++"),
@@ -51,12 +54,7 @@ _CAUSES = (
     ("tensor_frombuffer", "torch: frombuffer's buffer released"),
     ("sem_post", "waking a thread (lock release)"),
     ("sem_wait", "sleeping on a lock"),
-    ("epoll", "a system call (poll, epoll, read, write, send, sched_yield)"),
-    ("poll", "a system call (poll, epoll, read, write, send, sched_yield)"),
-    ("_Py_read", "a system call (poll, epoll, read, write, send, sched_yield)"),
-    ("_Py_write", "a system call (poll, epoll, read, write, send, sched_yield)"),
-    ("sock_", "a system call (poll, epoll, read, write, send, sched_yield)"),
-    ("sched_yield", "a system call (poll, epoll, read, write, send, sched_yield)"),
+    *((key, _SYSTEM_CALL) for key in ("poll", "_Py_read", "_Py_write", "sock_", "sched_yield")),  # ("poll": epoll too)
 )
 
 
@@ -89,17 +87,18 @@ def _group(rank: int, world: int, port: int, row: str, seconds: float, framework
 
 
 def _perf_stat(pid: int, seconds: float, out: str) -> subprocess.Popen:
-    events = ",".join([f"syscalls:sys_enter_{name}" for name in SYSCALLS] + ["context-switches"])
+    events = ",".join(name if name == "context-switches" else f"syscalls:sys_enter_{name}" for name in COLUMNS)
     return subprocess.Popen(["perf", "stat", "-e", events, "-p", str(pid), "-x", ",", "-o", out, "--", "sleep", f"{seconds:g}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _read_stat(path: str) -> dict[str, float]:
     found = {}
-    for line in open(path):
-        fields = line.strip().split(",")
-        if len(fields) > 2 and fields[0].replace(".", "").isdigit():
-            found[fields[2].replace("syscalls:sys_enter_", "")] = float(fields[0])
+    with open(path) as lines:
+        for line in lines:
+            fields = line.strip().split(",")
+            if len(fields) > 2 and fields[0].replace(".", "").isdigit():
+                found[fields[2].replace("syscalls:sys_enter_", "")] = float(fields[0])
     return found
 
 
@@ -121,7 +120,8 @@ def _causes(data: str) -> collections.Counter:
                             timeout=600).stdout
     counted: collections.Counter = collections.Counter()
     for sample in script.split("\n\n"):
-        frames = [line.split(None, 1)[1].split("+")[0] for line in sample.strip().splitlines() if len(line.split(None, 1)) > 1]
+        # Each line "address symbol+offset": the symbol.
+        frames = [parts[1].split("+")[0] for line in sample.strip().splitlines() if len(parts := line.split(None, 1)) > 1]
         if frames:
             counted[cause_of(frames)] += 1
     return counted
@@ -136,8 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("perf") is None:
         sys.exit("gil_handovers.py needs Linux's perf (linux-perf / linux-tools), run as root")
-    kind, _, value = args.row.partition(":")
-    world = int(value) if kind in ("fan-out", "chain") else 2
+    world = bench_scale.lab_world(args.row)
     results = mp.get_context("spawn").SimpleQueue()
     context = mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.seconds, args.framework, results),
                                  nprocs=world, start_method="spawn", join=False)
@@ -156,16 +155,15 @@ def main() -> None:
         context.join()
         rate = steps / elapsed  # steps per second
         print(f"{args.row} ({args.framework}): {elapsed / steps * 1e6:.0f} us per step; per step, by process:")
-        header = "context-switches " + " ".join(SYSCALLS)
-        print(f"  {'':<8} {header}")
+        print(f"  {'':<8} " + " ".join(COLUMNS))
         totals: collections.Counter = collections.Counter()
         for rank in range(len(pids)):
             counts = _read_stat(os.path.join(folder, f"{rank}.stat"))
-            per_step = {name: counts.get(name, 0.0) / (window * rate) for name in ["context-switches", *SYSCALLS]}
+            per_step = {name: counts.get(name, 0.0) / (window * rate) for name in COLUMNS}
             totals.update(per_step)
             if rank < 3 or rank == len(pids) - 1:
-                print(f"  worker{rank:<2} " + " ".join(f"{per_step[name]:>{len(name)}.1f}" for name in per_step))
-        print(f"  {'all':<8} " + " ".join(f"{totals[name]:>{len(name)}.1f}" for name in ["context-switches", *SYSCALLS]))
+                print(f"  worker{rank:<2} " + " ".join(f"{per_step[name]:>{len(name)}.1f}" for name in COLUMNS))
+        print(f"  {'all':<8} " + " ".join(f"{totals[name]:>{len(name)}.1f}" for name in COLUMNS))
         if args.causes:
             causes = _causes(os.path.join(folder, "futex.data"))
             total = sum(causes.values()) or 1
