@@ -204,6 +204,43 @@ def test_gil_handovers_names_what_gave_the_gil_up():
     assert gil_handovers.cause_of(["futex_wait", "__GI___lll_lock_wait"]).startswith("other: futex_wait < ")
 
 
+@pytest.mark.timeout(60)
+def test_calls_per_message_takes_the_control_calls_out():
+    """tools/lab/calls_per_message.py: N steps are the second window (2N steps) less the
+    first (N): the calls that read the counts, alike in both, cancel out."""
+    from tools.lab import calls_per_message as cpm
+
+    first = {"a.py:f": 10, "builtin:len": 3}  # before: control calls only
+    second = {"a.py:f": 10 + 5 + 40, "builtin:len": 3 + 2 + 80, cpm.RECEIVED: 1 + 20}  # + control + N steps
+    third = {"a.py:f": 55 + 5 + 80, "builtin:len": 85 + 2 + 160, cpm.RECEIVED: 21 + 1 + 40}  # + control + 2N
+    counts = cpm.steps_of(first, second, third)
+    assert counts == {"a.py:f": 40, "builtin:len": 80, cpm.RECEIVED: 20}
+    assert cpm.summary(counts, 20) == {"python": 3.0, "builtin": 4.0, "opcodes": 0.0, "received": 1.0, "sent": 0.0}
+    assert cpm.module_of("rpc/calls.py:Calling.call") == "rpc/calls.py" == cpm.module_of("opcodes:rpc/calls.py:Calling.call")
+    assert cpm.module_of("builtin:len") == "builtins"
+    assert cpm.function_name(os.path.join(ROOT, "zmqautograd", "rpc", "calls.py"), "Calling.call") == \
+        "rpc/calls.py:Calling.call"
+
+
+@pytest.mark.timeout(240)
+def test_calls_per_message_counts_a_one_hop_step():
+    """The tool on the one-hop row: each process receives and sends the step's 2 messages
+    (the call and its answer, the gradients and theirs), with calls counted on every thread."""
+    import re
+    import subprocess
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "lab", "calls_per_message.py"), "one-hop",
+                           "--steps", "20", "--top", "3"], capture_output=True, text=True, timeout=220, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.findall(r"worker(\d): (\d+) Python calls, (\d+) builtin calls; ([\d.]+) messages in, ([\d.]+) out",
+                       done.stdout)
+    assert [rank for rank, *_ in found] == ["0", "1"], done.stdout
+    for _, python, builtin, received, sent in found:
+        assert int(python) > 50 and int(builtin) > 50
+        # (A heartbeat may come in, a batch of context releases go out on its own.)
+        assert 1.9 < float(received) < 2.5 and 1.9 < float(sent) < 2.5, done.stdout
+
+
 @pytest.mark.timeout(240)
 def test_bench_scale_prints_both_frameworks_and_their_ratios():
     """tools/bench_scale.py, as small as it goes: one launch of each framework, world 2 (one
