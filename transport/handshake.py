@@ -15,7 +15,7 @@ from .codec import Envelope, ExtensionNotDecoded, Message, MessageType
 from .errors import (
     ProtocolError,
 )
-from .io_loop import OpenSocket, _frames_nbytes
+from .io_loop import _EVENTS, _POLLIN, OpenSocket, _frames_nbytes
 from .peers import PeerState, PeerStats, _Peer
 from .security import ClusterKeys, Membership, NotYetKnown, Refusal, zap_refusal
 
@@ -42,7 +42,9 @@ class Handshake:
         """Answer libzmq's ZAP requests: a connection without a member's credentials is
         refused here, inside the handshake, before any message of it exists."""
         zap = self._zap_and_guard()[0]
-        while zap.get(zmq.EVENTS) & zmq.POLLIN:
+        # (Plain ints: with pyzmq's flag enums, each look built two enum members in Python,
+        # on every turn of the I/O thread.)
+        while zap.get(_EVENTS) & _POLLIN:
             self._answer_zap(zap.recv_multipart(), time.monotonic() + self.options.connect_timeout)
 
     def _answer_zap(self: Endpoint, request: list[bytes], deadline: float) -> None:

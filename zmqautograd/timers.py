@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -54,13 +55,25 @@ class _TimerThread:
         self._changed = threading.Condition(self._lock)
         self._heap: list[tuple[float, int, TimerHandle]] = []
         self._serial = itertools.count()
+        # None when not running: set by the first timer, cleared by the thread as it ends, and
+        # in a forked child (which has no such thread). Checked on every timer, so it is an
+        # attribute, not ``is_alive()`` (a few times the cost).
         self._thread: threading.Thread | None = None
         self.cancelled = 0  # cancelled handles still in the heap (about)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget_thread)
+
+    def _forget_thread(self) -> None:
+        """In a forked child: the thread did not come along, and the lock may have been
+        held by another thread of the parent; the timers stay, to run on a new thread."""
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._thread = None
 
     def call_later(self, delay: float, callback: Callable, *args: Any) -> TimerHandle:
         handle = TimerHandle(time.monotonic() + max(0.0, delay), callback, args, self)
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="zmqautograd-timers", daemon=True)
                 self._thread.start()
             if self.cancelled > _COMPACT_MIN and self.cancelled * 2 > len(self._heap):
@@ -82,6 +95,13 @@ class _TimerThread:
         self.cancelled = 0
 
     def _run(self) -> None:
+        try:
+            self._run_due()
+        finally:  # (only a BaseException from a callback gets here): the next timer starts another
+            with self._lock:
+                self._thread = None
+
+    def _run_due(self) -> None:
         with self._lock:
             while True:
                 now = time.monotonic()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 
@@ -65,3 +67,42 @@ def test_cancelling_a_timer_that_ran_changes_nothing():
     before = timers._timers.cancelled
     handle.cancel()
     assert handle.cancelled and timers._timers.cancelled == before
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's end, on purpose
+def test_timers_run_again_after_a_callback_ended_the_thread():
+    """A BaseException from a callback (SystemExit, say) ends the timer thread; the next timer
+    starts another, and timers armed before it ran come up there."""
+    ended = threading.Event()
+
+    def exit_thread() -> None:
+        ended.set()
+        raise SystemExit("a callback that ends its thread")
+
+    first = threading.Event()
+    timers.call_later(0.0, exit_thread)
+    assert ended.wait(10)
+    timers.call_later(0.2, first.set)  # armed while the thread may still be on its way out
+    deadline = time.monotonic() + 10
+    while timers._timers._thread is not None and not first.is_set() and time.monotonic() < deadline:
+        timers._timers._thread.join(0.05)  # (the thread that ended, or the new one running the timer)
+    second = threading.Event()
+    timers.call_later(0.0, second.set)
+    assert second.wait(10) and first.wait(10)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_runs_timers_on_a_thread_of_its_own():
+    """The parent's timer thread does not come along into a child; its lock may have been
+    held by another thread at the fork. The child's timers still fire."""
+    started = threading.Event()
+    timers.call_later(0.0, started.set)  # the parent's thread is running
+    assert started.wait(10)
+    with timers._timers._lock:  # held by this thread across the fork: a new lock in the child
+        pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its timer fired
+        fired = threading.Event()
+        timers.call_later(0.0, fired.set)
+        os._exit(0 if fired.wait(10) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
