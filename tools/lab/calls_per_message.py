@@ -180,9 +180,12 @@ def main() -> None:
     args = parser.parse_args()
     world = bench_scale.lab_world(args.row)
     results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.opcodes, results), nprocs=world,
-                       start_method="spawn")
+    group = mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.opcodes, results),
+                               nprocs=world, start_method="spawn", join=False)
+    # Read before joining: the counts may not fit the pipe, and the driver waits until they are read.
     per_process = results.get()
+    while not group.join():
+        pass
     print(f"{args.row}: calls per step by process (spin off, {args.steps} steps)")
     for rank, counts in enumerate(per_process):
         totals = summary(counts, args.steps)
