@@ -84,8 +84,9 @@ def test_timers_run_again_after_a_callback_ended_the_thread():
     assert ended.wait(10)
     timers.call_later(0.2, first.set)  # armed while the thread may still be on its way out
     deadline = time.monotonic() + 10
-    while timers._timers._thread is not None and not first.is_set() and time.monotonic() < deadline:
-        timers._timers._thread.join(0.05)  # (the thread that ended, or the new one running the timer)
+    # (The thread that ended, or the one the next timer starts.)
+    while (thread := timers._timers._thread) is not None and not first.is_set() and time.monotonic() < deadline:
+        thread.join(0.05)
     second = threading.Event()
     timers.call_later(0.0, second.set)
     assert second.wait(10) and first.wait(10)

@@ -5,10 +5,9 @@ thread) counting each Python function called and each builtin called from Python
 It counts calls, not time: the machine's noise does not move it, and it names what a
 message's Python is made of (where callgrind sees only the interpreter). ``--opcodes`` also
 counts the bytecodes each function executed (``sys.settrace`` with opcode events), which is
-what the interpreter's instructions follow. Waiting is switched
-to sleeping (``spin=0``, no busy polling): a spinning thread calls functions for as long as it
-waits. What is left varies a little from run to run (whether an answer came before its
-waiter slept, say).
+what the interpreter's instructions follow. Waiting is switched to sleeping (``spin=0``, no
+busy polling): a spinning thread calls functions for as long as it waits. What is left
+varies a little from run to run (whether an answer came before its waiter slept, say).
 
 The counts of a window of N steps include the control calls that read them. Two windows,
 of N and 2N steps, are read; their difference is N steps (the control calls are the same in
@@ -27,13 +26,13 @@ import sys
 import threading
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import torch.multiprocessing as mp  # noqa: E402
 
 from tools import bench_scale, ports  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Counted once per message: what "per message" divides by.
 RECEIVED = "transport/io_loop.py:IoThread._handle_incoming"
 SENT = "transport/endpoint.py:Endpoint._enqueue"
@@ -186,7 +185,8 @@ def main() -> None:
     per_process = results.get()
     while not group.join():
         pass
-    print(f"{args.row}: calls per step by process (spin off, {args.steps} steps)")
+    listed = "bytecodes" if args.opcodes else "calls"
+    print(f"{args.row}: calls per step by process, {listed} by {args.by} (spin off, {args.steps} steps)")
     for rank, counts in enumerate(per_process):
         totals = summary(counts, args.steps)
         messages = totals["received"] + totals["sent"]
