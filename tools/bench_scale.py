@@ -124,18 +124,22 @@ def lab_world(row: str) -> int:
     return int(value) if kind in ("fan-out", "chain") else 2
 
 
+def steps_by_kind(rpc, autograd, x: torch.Tensor, others: list[str]) -> dict:
+    """The driver's step of each kind of row, as a function of no arguments."""
+    return {
+        "one hop": lambda: one_hop_step(rpc, autograd, x),
+        "fan-out": lambda: fan_out_step(rpc, autograd, x, others),
+        "chain": lambda: chain_step(rpc, autograd, x, others),
+    }
+
+
 def lab_row(row: str, rpc, autograd, world: int) -> tuple:
     """A tools/lab row (one-hop, threads:N, fan-out:N, chain:N) on the driver: its step as a
     function, the driver threads that run it, and the other workers."""
     kind, _, value = row.partition(":")
     others = [f"worker{r}" for r in range(1, world)]
-    x = torch.randn(4, WIDTH, requires_grad=True)
-    if kind in ("one-hop", "threads"):
-        step = lambda: one_hop_step(rpc, autograd, x)  # noqa: E731
-    elif kind == "fan-out":
-        step = lambda: fan_out_step(rpc, autograd, x, others)  # noqa: E731
-    else:
-        step = lambda: chain_step(rpc, autograd, x, others)  # noqa: E731
+    steps = steps_by_kind(rpc, autograd, torch.randn(4, WIDTH, requires_grad=True), others)
+    step = steps["one hop" if kind in ("one-hop", "threads") else kind]
     return step, int(value) if kind == "threads" else 1, others
 
 
@@ -193,11 +197,7 @@ def group_main(rank: int, world: int, framework: str, port: int, steps: int, row
         x = torch.randn(4, WIDTH, requires_grad=True)
         found = {}
         others = [f"worker{r}" for r in range(1, world)]
-        steps_of = {
-            "one hop": lambda: one_hop_step(rpc, autograd, x),
-            "fan-out": lambda: fan_out_step(rpc, autograd, x, others),
-            "chain": lambda: chain_step(rpc, autograd, x, others),
-        }
+        steps_of = steps_by_kind(rpc, autograd, x, others)
         for row in rows:
             kind, value = row
             if kind in steps_of:
