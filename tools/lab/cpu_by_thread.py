@@ -5,6 +5,7 @@ threads went to sleep per step (voluntary context switches). Threads are named b
 timers, libzmq's own (ZMQbg/...).
 
     python tools/lab/cpu_by_thread.py one-hop|threads:16|fan-out:16|chain:9 [--steps 200] [--framework tp]
+                                      [--zmq heartbeat_interval=50 ...]
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def cpu_by_role(skip: frozenset[int] = frozenset()) -> dict[str, float]:
     return dict(found)
 
 
-def _group(rank: int, world: int, port: int, row: str, steps: int, framework: str, results) -> None:
+def _group(rank: int, world: int, port: int, row: str, steps: int, framework: str, results, zmq_options: dict) -> None:
+    bench_scale.ZMQ_OPTIONS.update(zmq_options)  # (a spawned process starts without them)
     rpc, autograd = bench_scale._join(rank, world, framework, port)
     if rank == 0:
         step, threads, others = bench_scale.lab_row(row, rpc, autograd, world)
@@ -108,11 +110,14 @@ def main() -> None:
     parser.add_argument("row", help="one-hop, threads:N, fan-out:N (world N) or chain:N (N processes)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--framework", choices=["zmq", "tp"], default="zmq", help="tp: TensorPipe, for comparison")
+    parser.add_argument("--zmq", action="append", default=[], metavar="KEY=VALUE",
+                        help="a ZmqRpcBackendOptions field (numbers), e.g. heartbeat_interval=50")
     args = parser.parse_args()
+    zmq_options = {key: float(value) for key, _, value in (item.partition("=") for item in args.zmq)}
     world = bench_scale.lab_world(args.row)
     results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.framework, results), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.framework, results, zmq_options),
+                       nprocs=world, start_method="spawn")
     seconds, per_process = results.get()
     print(f"{args.row}: {seconds * 1e6:.0f} us per step; CPU per step by process and thread role (ms):")
     totals: dict[str, float] = collections.defaultdict(float)
