@@ -81,6 +81,16 @@ def _frames_nbytes(frames: list) -> int:
     return sum(memoryview(frame).nbytes for frame in frames)
 
 
+def tick_after(now: float, interval: float) -> float:
+    """When the I/O thread ticks next: the first multiple of ``interval`` after ``now`` on
+    the monotonic clock, which every process on a host shares. Heartbeats between a host's
+    idle peers then arrive together, and each process wakes for them about once an interval,
+    not once per peer (16 idle workers on 2 cores: 0.33 CPU-s in 10 s, against 1.22 with
+    ticks at random phases)."""
+    tick = (now // interval + 1) * interval
+    return tick if tick > now else tick + interval  # (1.0 // 0.1 is 9.0)
+
+
 class IoThread:
     """The endpoint's I/O thread and the sending path (part of ``Endpoint``)."""
 
@@ -137,10 +147,14 @@ class IoThread:
         router.setsockopt(zmq.LINGER, int(self.options.close_linger * 1000))
         # ZMTP heartbeats let libzmq itself close connections to hosts that went silent: a
         # backstop, well after our own check (_tick), whose error says what happened ("no
-        # message or heartbeat for ...") where a closed connection would not.
+        # message or heartbeat for ...") where a closed connection would not. libzmq pings
+        # every connection each interval, busy or not, waking its I/O thread at both ends
+        # (at one ping a second, 1.2% of the CPU of a fan-out to 15 workers on 2 cores): a
+        # backstop needs only a few pings per timeout.
         options = self.options
         zmtp_timeout = int((options.peer_timeout + max(2 * options.heartbeat_interval, 1.0)) * 1000)
-        router.setsockopt(zmq.HEARTBEAT_IVL, int(options.heartbeat_interval * 1000))
+        zmtp_interval = max(options.heartbeat_interval, options.peer_timeout / 2)
+        router.setsockopt(zmq.HEARTBEAT_IVL, int(zmtp_interval * 1000))
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, zmtp_timeout)
         router.setsockopt(zmq.HEARTBEAT_TTL, zmtp_timeout)
         # libzmq refuses a frame larger than the limit as it arrives, before it buffers it
@@ -221,7 +235,8 @@ class IoThread:
 
     def _io_loop(self: Endpoint) -> None:
         interval = self.options.heartbeat_interval
-        next_tick = time.monotonic() + interval
+        last_tick = time.monotonic()
+        next_tick = tick_after(last_tick, interval)
         poller = self._io_poller
         poll = poller.poll
         wake, router = self._wake_pull, self._router
@@ -267,8 +282,9 @@ class IoThread:
                         self._declare_gone_peers_lost()
                     now = time.monotonic()
                     if now >= next_tick:
-                        self._tick(now)
-                        next_tick = now + interval
+                        self._tick(now, last_tick)
+                        next_tick = tick_after(now, interval)
+                        last_tick = time.monotonic()  # after the heartbeats it sent
             if self._inline:
                 self._run_inline()
             if closing:

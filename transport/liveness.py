@@ -39,8 +39,9 @@ class Liveness:
         for peer, reason in closing.items():
             self._peer_lost(peer, reason)
 
-    def _tick(self: Endpoint, now: float) -> None:
-        """Heartbeats out, silent peers declared lost, retired lent buffers forgotten."""
+    def _tick(self: Endpoint, now: float, last_tick: float) -> None:
+        """Heartbeats out (to peers sent nothing since ``last_tick``, when the last tick
+        ended), silent peers declared lost, retired lent buffers forgotten."""
         options = self.options
         lending.retire((), 0.0)
         if self._zap_held:
@@ -56,7 +57,7 @@ class Liveness:
                         record.name, f"no message or heartbeat for {now - record.last_seen:.1f} s "
                         f"(peer_timeout={options.peer_timeout} s)"
                     )
-                elif now - record.last_sent >= options.heartbeat_interval:
+                elif record.last_sent < last_tick:
                     self._stats[record.name].heartbeats_sent += 1
                     self._send_to_peer(record.name, 0, self._heartbeat_frames, 0)
             elif record.state in (PeerState.EXPECTED, PeerState.CONNECTING):

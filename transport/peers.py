@@ -21,7 +21,7 @@ from .lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN, Offer, Reader
 class EndpointOptions:
     """Timing and limits of an endpoint. Times are in seconds."""
 
-    heartbeat_interval: float = 1.0  # a heartbeat goes to a peer we sent nothing to for this long
+    heartbeat_interval: float = 1.0  # each tick, a heartbeat to every peer sent nothing since the last
     peer_timeout: float = 10.0  # a peer not heard from for this long is lost
     connect_timeout: float = 60.0  # a peer must complete HELLO within this
     close_linger: float = 1.0  # on close, how long queued messages may still take to leave

@@ -26,6 +26,7 @@ from zmqautograd.transport import (
 )
 from zmqautograd.transport.codec import PROTOCOL_VERSION, Codec
 from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
+from zmqautograd.transport.io_loop import tick_after
 
 from tests.workers import start_server, tensor_digest
 
@@ -431,6 +432,37 @@ def test_busy_poll_spins_after_traffic_then_sleeps():
     finally:
         busy.close()
         peer.close()
+
+
+def test_ticks_fall_on_multiples_of_the_interval():
+    """Every process on a host ticks at the same moments, so heartbeats between its idle
+    peers arrive together (one wake-up per interval, not one per peer)."""
+    for interval in (0.1, 1.0, 2.5):
+        for now in (0.0, 0.05, 1.0, 12345.678, 98765.4321):
+            tick = tick_after(now, interval)
+            assert now < tick <= now + interval
+            assert tick / interval == pytest.approx(round(tick / interval), abs=1e-6)
+
+
+def test_idle_peers_get_a_heartbeat_every_tick():
+    """Between peers that send each other nothing else, each tick sends one heartbeat each
+    way: the heartbeat one tick sent does not make the next tick skip that peer (it would
+    with "nothing sent for an interval", as ticks are late by varying amounts)."""
+    options = EndpointOptions(heartbeat_interval=0.1, peer_timeout=5.0)
+    a = Endpoint("idle-a", options=options)
+    b = Endpoint("idle-b", options=options)
+    try:
+        b.connect("idle-a", a.address)
+        poll_until(lambda: a.peers().get("idle-b") == b.peers().get("idle-a") == "ready", what="both HELLOs")
+        before = (a.stats()["idle-b"].heartbeats_sent, b.stats()["idle-a"].heartbeats_sent)
+        time.sleep(3.0)  # a measuring interval: 30 ticks
+        after = (a.stats()["idle-b"].heartbeats_sent, b.stats()["idle-a"].heartbeats_sent)
+        sent = [later - earlier for earlier, later in zip(before, after)]
+        assert all(26 <= count <= 31 for count in sent), f"heartbeats sent in 30 ticks: {sent}"
+        assert a.peers()["idle-b"] == b.peers()["idle-a"] == "ready"
+    finally:
+        b.close()
+        a.close()
 
 
 def _openmp_threads_of_handler_threads(results) -> None:
