@@ -90,3 +90,32 @@ def test_a_release_that_cannot_reach_its_worker_is_logged_by_what_it_leaves_behi
     assert record.levelno == (logging.WARNING if lost == "live" else logging.DEBUG)
     assert "100, 101" in record.getMessage() and "and 22 more" in record.getMessage()
     assert "129" not in record.getMessage()
+
+
+def test_a_release_abandoned_by_our_own_shutdown_is_a_debug_line(caplog):
+    """A nested chain passes each release on down the chain, so the last ones can leave a
+    worker after its graceful shutdown's last wait: its close abandons them, which says
+    nothing worth a warning (the whole group is shutting down, the contexts go with it)."""
+    import torch
+
+    from zmqautograd.autograd import cleanup
+    from zmqautograd.rpc.errors import RpcError
+
+    class AgentThatShutsDown:
+        closed = False
+        rank = 0
+        sent: torch.futures.Future = torch.futures.Future()
+
+        def call_retrying(self, *args, **kwargs):
+            return self.sent
+
+        def is_lost(self, worker: int) -> bool:
+            return False
+
+    agent = AgentThatShutsDown()
+    with caplog.at_level(logging.DEBUG, logger=cleanup.__name__):
+        cleanup._send_batch(agent, 4, [329])
+        agent.closed = True  # as _close_now does before it abandons what is pending
+        agent.sent.set_exception(RpcError("call to WorkerInfo(id=4, name=worker4) abandoned: shutdown"))
+    (record,) = [r for r in caplog.records if r.name == cleanup.__name__]
+    assert record.levelno == logging.DEBUG and "[329] on worker 4" in record.getMessage()
