@@ -157,14 +157,14 @@ def _log_failure(future: torch.futures.Future, context_ids: list, worker: int, a
 _IDS_LOGGED = 8
 
 
-def _release_failed(context_ids: list, worker: int, exc: Exception, lost: bool) -> None:
+def _release_failed(context_ids: list, worker: int, exc: Exception, gone: bool) -> None:
     """Log a release that did not reach ``worker``. Its contexts there died with a lost worker
     (whose loss the agent reported already: a warning per batch would repeat it for every
     step that had reached it; in a dynamic group it is no member any more), or go with the
-    shutdown of this worker (``lost`` covers both), so that is a debug line; any other
+    shutdown of this worker (``gone``: either), so that is a debug line; any other
     failure leaves contexts behind on a live worker, a warning."""
     shown = ", ".join(map(str, context_ids[:_IDS_LOGGED]))
     if len(context_ids) > _IDS_LOGGED:
         shown += f" and {len(context_ids) - _IDS_LOGGED} more"
-    level = logging.DEBUG if lost or isinstance(exc, PeerLostError) else logging.WARNING
+    level = logging.DEBUG if gone or isinstance(exc, PeerLostError) else logging.WARNING
     log.log(level, "could not release autograd contexts [%s] on worker %d: %s", shown, worker, exc)
