@@ -454,11 +454,14 @@ def test_idle_peers_get_a_heartbeat_every_tick():
     try:
         b.connect("idle-a", a.address)
         poll_until(lambda: a.peers().get("idle-b") == b.peers().get("idle-a") == "ready", what="both HELLOs")
+        start = time.monotonic()
         before = (a.stats()["idle-b"].heartbeats_sent, b.stats()["idle-a"].heartbeats_sent)
         time.sleep(3.0)  # a measuring interval: 30 ticks
         after = (a.stats()["idle-b"].heartbeats_sent, b.stats()["idle-a"].heartbeats_sent)
+        ticks = (time.monotonic() - start) / 0.1  # (the sleep may have run over)
         sent = [later - earlier for earlier, later in zip(before, after)]
-        assert all(26 <= count <= 31 for count in sent), f"heartbeats sent in 30 ticks: {sent}"
+        # A tick is lost only when the I/O thread is late by a whole interval.
+        assert all(0.85 * ticks <= count <= ticks + 1 for count in sent), f"heartbeats sent in {ticks:.1f} ticks: {sent}"
         assert a.peers()["idle-b"] == b.peers()["idle-a"] == "ready"
     finally:
         b.close()
