@@ -48,7 +48,7 @@ import contextlib
 import logging
 import queue
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -213,11 +213,11 @@ class Pass:
             for (node, slot), grad in zip(plan.roots[key], grads):
                 if grad is not None:
                     self._buffer(node, slot, grad)
-            for node in plan.direct_exits[key]:
+            for node in plan.direct_exits.get(key, ()):
                 self._exit_waiting[node] -= 1
                 if self._exit_waiting[node] == 0:
                     fire.append(node)
-            ready = self._ready_groups()
+            ready = self._ready_among(plan.groups_by_bit.get(bit, ()))
         if self._home is not None and threading.get_ident() != self._home:
             self.post_home(self._run_delivered, ready, fire)
             return
@@ -279,12 +279,16 @@ class Pass:
         else:
             self._add(self._buffers[self.plan.group_of[node]], (node, slot), grad)
 
-    def _ready_groups(self) -> list[int]:  # caller holds the lock
+    def _ready_among(self, candidates: Iterable[int]) -> list[int]:  # caller holds the lock
+        """Which of ``candidates`` (group indices) became ready, marked started. A group is
+        ready after the last of its roots' deliveries and its feeders' runs, so after a
+        delivery the candidates are the groups its root reaches, after a run the groups the
+        run fed: not every group, which on the caller of a fan-out is one per call."""
         ready = []
-        for group in self.plan.groups:
-            i = group.index
-            if not self._started[i] and self._waiting_feeders[i] == 0 and group.mask & ~self._delivered == 0:
-                self._started[i] = True
+        groups, started, waiting_feeders, delivered = self.plan.groups, self._started, self._waiting_feeders, self._delivered
+        for i in candidates:
+            if not started[i] and waiting_feeders[i] == 0 and groups[i].mask & ~delivered == 0:
+                started[i] = True
                 ready.append(i)
         return ready
 
@@ -364,7 +368,7 @@ class Pass:
                     fire.append(target)
             for other in group.feeds:
                 self._waiting_feeders[other] -= 1
-            ready = self._ready_groups()
+            ready = self._ready_among(group.feeds)
             self._remaining -= 1
             finished = self._all_done()
         for node, hooks, grad in post_hooks:
@@ -492,7 +496,7 @@ class Pass:
                 self._started[index] = True
                 self._remaining -= 2  # its group and the recv function it feeds
                 self._expect_locked(ticket, peer)
-                ready = self._ready_groups()
+                ready = self._ready_among(self.plan.groups_by_bit.get(bit, ()))
             self._drain(ready)
         self._maybe_finish()
 

@@ -288,11 +288,28 @@ class Plan:
         # Leaves that several groups feed: their tensor hooks must not run in each group's
         # call (see Pass._held_leaves).
         self.shared_leaves = [node for node in leaves if len(exits[node].feeders) > 1]
-        # Per root: the recv functions its own edges point at (they wait for its delivery).
+        # Per root: the recv functions its own edges point at (they wait for its delivery),
+        # and the groups it reaches (the only ones its delivery can make ready). By the bits
+        # of each mask, not by root: the caller of a fan-out has a root and a recv function
+        # per call, and plans are made per context.
         recvs = [(node, e) for node, e in exits.items() if node not in leaves]
-        self.direct_exits = {
-            key: [node for node, e in recvs if e.direct_roots & bit] for key, bit in self.root_bits.items()
-        }
+        root_keys = self.root_keys  # (root i has bit 1 << i)
+        direct_exits: dict[Any, list] = {}  # (a root without any is absent)
+        for node, e in recvs:
+            bits = e.direct_roots
+            while bits:
+                bit = bits & -bits
+                direct_exits.setdefault(root_keys[bit.bit_length() - 1], []).append(node)
+                bits ^= bit
+        self.direct_exits = direct_exits
+        groups_by_bit: dict[int, list[int]] = {}
+        for group in groups:
+            bits = group.mask
+            while bits:
+                bit = bits & -bits
+                groups_by_bit.setdefault(bit, []).append(group.index)
+                bits ^= bit
+        self.groups_by_bit = groups_by_bit
         # What each pass starts counting down from (Pass.__init__ copies them).
         self.feeder_counts = [len(group.feeders) for group in groups]
         self.recv_counts = {node: len(e.feeders) + bin(e.direct_roots).count("1") for node, e in recvs}
