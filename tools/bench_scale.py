@@ -46,6 +46,11 @@ ZMQ_OPTIONS: dict = {}  # --zmq key=value: more ZmqRpcBackendOptions, for every 
 AB_OPTIONS: dict = {}  # --ab key=value: the options of group B, on top of ZMQ_OPTIONS
 
 
+def parse_options(items: list[str]) -> dict[str, float]:
+    """``KEY=VALUE`` arguments (--zmq, --ab) as ZmqRpcBackendOptions fields (numbers)."""
+    return {key: float(value) for key, _, value in (item.partition("=") for item in items)}
+
+
 def _join(rank: int, world: int, framework: str, port: int) -> tuple:
     torch.set_num_threads(1)
     if framework == "tp":
@@ -242,10 +247,8 @@ def main() -> None:
     parser.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE",
                         help="also run zmqautograd with these options (B) and print B/A")
     args = parser.parse_args()
-    for options, items in ((ZMQ_OPTIONS, args.zmq), (AB_OPTIONS, args.ab)):
-        for item in items:
-            key, _, value = item.partition("=")
-            options[key] = float(value)
+    ZMQ_OPTIONS.update(parse_options(args.zmq))
+    AB_OPTIONS.update(parse_options(args.ab))
     frameworks = ("tp", "zmq", "zmq-b") if AB_OPTIONS else ("tp", "zmq")
 
     plans: dict[int, list] = {}

@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--zmq", action="append", default=[], metavar="KEY=VALUE",
                         help="a ZmqRpcBackendOptions field (numbers), e.g. heartbeat_interval=50")
     args = parser.parse_args()
-    zmq_options = {key: float(value) for key, _, value in (item.partition("=") for item in args.zmq)}
+    zmq_options = bench_scale.parse_options(args.zmq)
     world = bench_scale.lab_world(args.row)
     results = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.framework, results, zmq_options),

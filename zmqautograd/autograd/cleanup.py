@@ -139,7 +139,7 @@ def _send_batch(agent: AgentPort, worker: int, context_ids: list) -> None:
         sent = agent.call_retrying(worker, cleanup_contexts, (context_ids,),
                                    MessageType.CLEANUP_AUTOGRAD_CONTEXT_REQ)
     except RuntimeError as exc:
-        _release_failed(context_ids, worker, exc, agent.is_lost(worker) or agent.closed)
+        _release_failed(context_ids, worker, exc, agent)
         return
     sent.add_done_callback(lambda f: _log_failure(f, context_ids, worker, agent))
 
@@ -148,21 +148,21 @@ def _log_failure(future: torch.futures.Future, context_ids: list, worker: int, a
     try:
         future.value()
     except Exception as exc:  # noqa: BLE001
-        # Also quiet when this worker's own shutdown abandoned it: after the graceful one's
-        # barrier the whole group is shutting down, and a release that a nested chain passes
-        # on can arrive after its worker's last wait; graceful=False abandons on purpose.
-        _release_failed(context_ids, worker, exc, agent.is_lost(worker) or agent.closed)
+        _release_failed(context_ids, worker, exc, agent)
 
 
 _IDS_LOGGED = 8
 
 
-def _release_failed(context_ids: list, worker: int, exc: Exception, gone: bool) -> None:
+def _release_failed(context_ids: list, worker: int, exc: Exception, agent: AgentPort) -> None:
     """Log a release that did not reach ``worker``. Its contexts there died with a lost worker
     (whose loss the agent reported already: a warning per batch would repeat it for every
     step that had reached it; in a dynamic group it is no member any more), or go with the
-    shutdown of this worker (``gone``: either), so that is a debug line; any other
-    failure leaves contexts behind on a live worker, a warning."""
+    shutdown of this worker (after a graceful one's barrier the whole group is shutting
+    down, and a release that a nested chain passes on can leave a worker after its last
+    wait; graceful=False abandons on purpose), so that is a debug line; any other failure
+    leaves contexts behind on a live worker, a warning."""
+    gone = agent.is_lost(worker) or agent.closed
     shown = ", ".join(map(str, context_ids[:_IDS_LOGGED]))
     if len(context_ids) > _IDS_LOGGED:
         shown += f" and {len(context_ids) - _IDS_LOGGED} more"
