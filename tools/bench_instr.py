@@ -8,7 +8,9 @@ switched off again. What each process executed in that window, divided by the st
 share of a step; the sum over processes is the step's cost. Workloads (the steps of
 tools/bench_scale.py): ``hop`` (one-hop dist autograd step, 2 processes), ``fanout``
 (the driver calls 3 workers at once, sums, backward; 4 processes) and ``chain`` (a chain of
-nested calls through 3 workers, backward; 4 processes).
+nested calls through 3 workers, backward; 4 processes); on request, ``fanout8`` and
+``fanout16``: the fan-out step with 8 and 16 processes, for costs that grow with the group
+(16 processes under callgrind take several minutes and ~10 GB).
 
 Waiting is switched to sleeping for the measure (``spin=0``, no busy polling): a spinning
 thread executes instructions for as long as it waits, which depends on time. So this counts
@@ -35,10 +37,13 @@ import time
 import ports  # tools/ports.py (this script's folder is first on sys.path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKLOADS = {"hop": 2, "fanout": 4, "chain": 4}  # workload: processes
+WORKLOADS = {"hop": 2, "fanout": 4, "chain": 4, "fanout8": 8, "fanout16": 16}  # workload: processes
 WARMUP = 20
 # Slow under callgrind (20-50x): generous bounds, so that nothing times out while measured.
-OPTIONS = dict(spin=0.0, busy_poll=0.0, rpc_timeout=600, peer_timeout=300, heartbeat_interval=5.0)
+# Heartbeats practically off: a step takes about a second here, so heartbeats between idle
+# workers (every 5 s, to each of 14 peers in fanout16) came with most steps, more the
+# slower the run, and moved what a worker executes by 5% and more.
+OPTIONS = dict(spin=0.0, busy_poll=0.0, rpc_timeout=600, peer_timeout=600, heartbeat_interval=120.0)
 
 
 # ------------------------------------------------------------- inside a measured process

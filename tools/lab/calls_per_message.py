@@ -14,7 +14,7 @@ of N and 2N steps, are read; their difference is N steps (the control calls are 
 both).
 
     python tools/lab/calls_per_message.py one-hop|fan-out:N|chain:N [--steps 200] [--top 25] [--by function|module]
-        [--opcodes]
+        [--opcodes] [--zmq heartbeat_interval=50 ...]
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def summary(counts: dict[str, int], steps: int) -> dict[str, float]:
     return {**found, "received": counts.get(RECEIVED, 0) / steps, "sent": counts.get(SENT, 0) / steps}
 
 
-def _group(rank: int, world: int, port: int, row: str, steps: int, opcodes: bool, results) -> None:
+def _group(rank: int, world: int, port: int, row: str, steps: int, opcodes: bool, results, zmq_options: dict) -> None:
     # Every thread the group starts from here on is counted (the endpoint's, the pool's).
     sys.setprofile(_counts.profile)
     threading.setprofile(_counts.profile)
@@ -146,6 +146,7 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, opcodes: bool
         sys.settrace(_counts.trace)
         threading.settrace(_counts.trace)
     bench_scale.ZMQ_OPTIONS.update(spin=0.0, busy_poll=0.0)
+    bench_scale.ZMQ_OPTIONS.update(zmq_options)
     rpc, autograd = bench_scale._join(rank, world, "zmq", port)
     if rank == 0:
         step, threads, others = bench_scale.lab_row(row, rpc, autograd, world)
@@ -176,10 +177,14 @@ def main() -> None:
     parser.add_argument("--opcodes", action="store_true",
                         help="also count the bytecodes each function executed (slower): what the interpreter's share of "
                              "the instructions follows; the top list then shows those")
+    parser.add_argument("--zmq", action="append", default=[], metavar="KEY=VALUE",
+                        help="a ZmqRpcBackendOptions field for every process (heartbeat_interval=50: heartbeats "
+                             "practically off, which a traced step, far slower than a real one, would inflate)")
     args = parser.parse_args()
+    zmq_options = bench_scale.parse_options(args.zmq)
     world = bench_scale.lab_world(args.row)
     results = mp.get_context("spawn").SimpleQueue()
-    group = mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.opcodes, results),
+    group = mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.opcodes, results, zmq_options),
                                nprocs=world, start_method="spawn", join=False)
     # Read before joining: the counts may not fit the pipe, and the driver waits until they are read.
     per_process = results.get()
