@@ -181,6 +181,7 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         self._bell: shm.Bell | None = None
         self._flags: shm.Flags | None = None  # our spinning / pending flags, mapped by writers
         self._rings_in: tuple = ()
+        self._ring_slots: list = []  # the peer whose ring has each slot of our Flags page's marks (None: free)
         self._unwritten: set[str] = set()
         self._spinning: bool = False
         self._challenge = os.urandom(lending.CHALLENGE_BYTES)

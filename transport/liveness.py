@@ -48,6 +48,7 @@ class Liveness:
             self._answer_held_zap(now)
         if self._unwritten:
             self._flush_unwritten()  # in case a doorbell call was lost
+        self._read_every_ring()  # in case a mark was
         with self._lock:
             records = list(self._peers.values())
         for record in records:

@@ -120,6 +120,7 @@ class _Peer:
     # SHM_START said it writes there) and the decoder of its stream; the ring we write to
     # it (from our SHM_START on) and the bytes that had no room in it yet; its doorbell.
     ring_in: shm.Ring | None = None
+    ring_slot: int = 0  # its ring's mark in our Flags page (shm.Flags.take_marks), while ring_in is set
     ring_in_active: bool = False
     decoder: shm.StreamDecoder | None = None
     ring_out: shm.Ring | None = None

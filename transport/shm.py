@@ -24,7 +24,8 @@ cache line, then ``capacity`` data bytes used as a byte stream:
 **Flags.** One page per receiving process, mapped by all its writers (:class:`Flags`):
 ``spinning`` (a thread of the reader spins, so writers need not ring) and ``pending`` (a
 writer published since the spinner last looked), so that a spinning thread looks at one word,
-not at every peer's ring.
+not at every peer's ring; and a byte per ring, its writer's *mark* ("published since the
+reader last took the marks"), so that a look reads the marked rings only.
 
 Positions only grow (64 bits never wrap); the data offset is ``position % capacity``. A
 message can be larger than the ring: the writer keeps what did not fit and writes it as room
@@ -197,15 +198,30 @@ class _Shared:
 
 
 class Flags(_Shared):
-    """A receiving process's two flags, in a page every peer that writes to it maps:
+    """A receiving process's flags, in a page every peer that writes to it maps:
 
     * ``spinning``: a thread of ours spins on our rings, so writers need not ring;
     * ``pending``: a writer published data since the spinner last looked. The spinner looks
-      at this one word instead of at every ring (a process may have dozens of peers).
+      at this one word instead of at every ring (a process may have dozens of peers);
+    * a *mark* per ring (one byte, at the ring's *slot*, which the reader gives each writer
+      with its ring): its writer published data since the reader last took the marks. A
+      look at the rings reads only the marked ones (:meth:`take_marks`), one copy of the
+      marks instead of a look at every ring: what a look costs does not grow with peers
+      that have nothing to say.
     """
 
-    _SPINNING, _PENDING = 0, 8  # words (byte offsets 0 and 64: cache lines of their own)
+    # Words (byte offsets 0, 64 and 128: cache lines of their own). ``marked``: some ring was
+    # marked since the reader last took the marks (a look at one word when none was).
+    _SPINNING, _PENDING, _MARKED = 0, 8, 16
     SIZE = 4096
+    SLOTS = SIZE - _DATA  # rings with a mark (the bytes after the words and the magic)
+
+    def __init__(self, mapping: mmap.mmap, fd: int | None, slot: int | None = None):
+        super().__init__(mapping, fd)
+        self._marks = self._buffer[_DATA:]
+        # (A writer's mapping) the mark of the ring it writes; -1 on the reader's own, which
+        # never marks through mark_pending.
+        self.slot: int = -1 if slot is None else slot
 
     @classmethod
     def create(cls) -> "Flags":
@@ -213,8 +229,16 @@ class Flags(_Shared):
         return cls(mapping, fd)
 
     @classmethod
-    def open(cls, pid: int, fd: int) -> "Flags":
-        return cls(_map_peer_memfd(pid, fd, cls.SIZE, _FLAGS_MAGIC, "a flags page"), None)
+    def open(cls, pid: int, fd: int, slot: int) -> "Flags":
+        """A writer's mapping of the flags process ``pid`` made (its descriptor ``fd``),
+        marking slot ``slot``. Raises OSError, or ValueError for anything else."""
+        if not 0 <= slot < cls.SLOTS:
+            raise ValueError(f"ring slot {slot} is out of range (0-{cls.SLOTS - 1})")
+        return cls(_map_peer_memfd(pid, fd, cls.SIZE, _FLAGS_MAGIC, "a flags page"), None, slot)
+
+    def close(self) -> None:
+        self._marks.release()  # (before the buffer it was cut from)
+        super().close()
 
     # (Each a single access to the page: these run on every message and every look.)
 
@@ -226,8 +250,11 @@ class Flags(_Shared):
         return self._words[self._SPINNING] != 0
 
     def mark_pending(self) -> None:
-        """(A writer, after it published data.)"""
-        self._words[self._PENDING] = 1
+        """(A writer, after it published data.) Its ring's mark, then the pending word."""
+        self._marks[self.slot] = 1
+        words = self._words
+        words[self._MARKED] = 1
+        words[self._PENDING] = 1
 
     def pending(self) -> bool:
         return self._words[self._PENDING] != 0
@@ -237,6 +264,32 @@ class Flags(_Shared):
         :func:`fence` before it reads the rings (a writer's mark may land between our load
         and our clear: its data is then published already, and the fence lets us see it)."""
         return self._take(self._PENDING)
+
+    def take_marks(self, count: int) -> list[int] | tuple[()]:
+        """The slots below ``count`` marked since the last take, in order; clears their marks.
+        The caller must :func:`fence` before it reads those rings (as for take_pending); a
+        mark that lands after our copy stays for the next take."""
+        words = self._words
+        if not words[self._MARKED]:
+            return ()
+        words[self._MARKED] = 0
+        fence()  # cleared before the copy: a writer that marks after the copy sets it again
+        marks = self._map[_DATA:_DATA + count]  # one copy, then searched in C
+        slot = marks.find(1)
+        if slot < 0:
+            return ()
+        view = self._marks
+        taken = []
+        while slot >= 0:
+            view[slot] = 0
+            taken.append(slot)
+            slot = marks.find(1, slot + 1)
+        return taken
+
+    def mark(self, slot: int) -> None:
+        """(The reader.) Read the ring at ``slot`` on the next take: data is left in it."""
+        self._marks[slot] = 1
+        self._words[self._MARKED] = 1
 
 
 class Ring(_Shared):

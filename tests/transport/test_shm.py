@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zmqautograd.transport import Message, MessageType, PeerLostError
-from zmqautograd.transport import shm, waiting
+from zmqautograd.transport import ring_protocol, shm, waiting
 from zmqautograd.transport import waiter as transport_waiter
 from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 from zmqautograd.transport.errors import RemoteProtocolError
@@ -245,6 +245,77 @@ def test_a_lost_peers_ring_is_read_before_its_loss_is_taken():
         peer, error = lost.get(timeout=30)
         assert peer == "a" and "closed its endpoint" in str(error)
         assert [b.recv(5).payload[0] for _ in range(5)] == list(range(5))
+
+
+def test_marks_name_the_rings_written_since_the_last_take():
+    flags = shm.Flags.create()
+    writers = {slot: shm.Flags.open(os.getpid(), flags.fd, slot) for slot in (0, 3, 9, shm.Flags.SLOTS - 1)}
+    try:
+        assert flags.take_marks(16) == ()
+        writers[9].mark_pending()
+        writers[3].mark_pending()
+        writers[3].mark_pending()
+        assert flags.take_marks(16) == [3, 9]  # each once, in slot order
+        assert flags.take_marks(16) == ()  # taken: cleared
+        assert flags.take_pending()  # the spinner's word is marked as before
+        writers[9].mark_pending()
+        assert flags.take_marks(10) == [9]
+        writers[shm.Flags.SLOTS - 1].mark_pending()
+        flags.mark(0)  # the reader's own: data left in that ring
+        assert flags.take_marks(shm.Flags.SLOTS) == [0, shm.Flags.SLOTS - 1]
+        with pytest.raises(ValueError, match="out of range"):
+            shm.Flags.open(os.getpid(), flags.fd, shm.Flags.SLOTS)
+    finally:
+        for writer in writers.values():
+            writer.close()
+        flags.close()
+
+
+@contextlib.contextmanager
+def _star(count: int, **options):
+    """Endpoints ``w0``..``w{count-1}`` connected to ``hub`` (in this process), all on rings."""
+    hub = Endpoint("hub", options=EndpointOptions(**options))
+    spokes = [Endpoint(f"w{i}", options=EndpointOptions(**options)) for i in range(count)]
+    try:
+        for spoke in spokes:
+            spoke.connect("hub", hub.address)
+            hub.expect(spoke.identity)
+        for spoke in spokes:
+            spoke.wait_for_peer("hub", 30)
+            hub.wait_for_peer(spoke.identity, 30)
+        _wait_for(lambda: all(s.stats()["hub"].shared_memory and hub.stats()[s.identity].shared_memory
+                              for s in spokes))
+        yield hub, spokes
+    finally:
+        for endpoint in [hub, *spokes]:
+            endpoint.close()
+
+
+def test_a_look_reads_only_the_rings_written_to(monkeypatch):
+    # More peers with a ring into the hub than a look reads one by one, all but two silent:
+    # what those two write arrives (in order, without a heartbeat tick's look at every ring,
+    # switched off here), and no look asks any ring whether it has data: the marks say which.
+    with _star(ring_protocol._LOOK_AT_EACH + 2, spin=0) as (hub, spokes):
+        monkeypatch.setattr(Endpoint, "_read_every_ring", lambda self: None)
+        looked = []
+        has_data = shm.Ring.has_data
+        monkeypatch.setattr(shm.Ring, "has_data", lambda ring: looked.append(ring) or has_data(ring))
+        for seq in range(100):
+            spokes[seq % 2].send("hub", Message(MessageType.PYTHON_CALL, seq + 1, spokes[seq % 2].identity, seq))
+        received = [hub.recv(30) for _ in range(100)]
+        for sender in ("w0", "w1"):
+            assert [m.payload for m in received if m.sender == sender] == list(range(sender == "w1", 100, 2))
+        assert looked == []
+
+
+def test_a_ring_whose_mark_went_astray_is_read_on_the_next_tick(monkeypatch):
+    # Writers that publish without their marks (peers that stored something else there):
+    # their messages wait for the reader's next heartbeat tick, which reads every ring.
+    with _star(ring_protocol._LOOK_AT_EACH + 1, spin=0, heartbeat_interval=0.2) as (hub, spokes):
+        monkeypatch.setattr(shm.Flags, "mark_pending", lambda flags: None)
+        for seq in range(5):
+            spokes[0].send("hub", Message(MessageType.PYTHON_CALL, seq + 1, "w0", seq))
+        assert [hub.recv(30).payload for _ in range(5)] == list(range(5))
 
 
 def test_a_message_of_several_big_frames_goes_through_the_ring():
@@ -481,7 +552,7 @@ def _publish_and_watch(pid: int, ring_fd: int, flags_fd: int, capacity: int, sec
     reader's head and its spinning flag (which the reader keeps set); put how often the head
     read behind what it read before, and how often the flag read unset."""
     writer = shm.Ring.open(pid, ring_fd, capacity)
-    flags = shm.Flags.open(pid, flags_fd)
+    flags = shm.Flags.open(pid, flags_fd, 0)
     piece = memoryview(bytes(8))
     head_behind = flag_unset = last = 0
     end = time.monotonic() + seconds
