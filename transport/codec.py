@@ -32,7 +32,9 @@ from .errors import DeviceMapError, LocalProtocolError, MessageTooLargeError, Pr
 from .staging import PinnedBufferPool
 from .tensors import DEFAULT_COPY_THRESHOLD, DENSE, DeviceMap, TensorDecoder, TensorEncoder, parse_dense
 
-PROTOCOL_VERSION = 1
+# Raised when what a peer must do changes, so that mixed releases refuse each other at the
+# first message instead of misbehaving: 2, a ring writer marks its ring (SHM_OFFER's slot).
+PROTOCOL_VERSION = 2
 MAX_SENDER_LENGTH = 256
 MAX_MESSAGE_ID = (1 << 64) - 1
 
