@@ -154,10 +154,10 @@ class RingProtocol:
         elif (flags := self._flags) is not None:
             # Most looks find most rings empty: the marks say which are not, in a look at
             # one word, then one copy of a few bytes, instead of a look at each ring.
-            marked = flags.take_marks(len(self._ring_slots))
+            slots = self._ring_slots
+            marked = flags.take_marks(len(slots))
             if marked:
                 shm.fence()  # our cleared marks before the looks at the tails (Flags.take_marks)
-                slots = self._ring_slots
                 for slot in marked:
                     record = slots[slot]
                     if record is not None and record.ring_in_active:

@@ -145,8 +145,7 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, opcodes: bool
     if opcodes:
         sys.settrace(_counts.trace)
         threading.settrace(_counts.trace)
-    bench_scale.ZMQ_OPTIONS.update(spin=0.0, busy_poll=0.0)
-    bench_scale.ZMQ_OPTIONS.update(zmq_options)
+    bench_scale.ZMQ_OPTIONS.update({"spin": 0.0, "busy_poll": 0.0, **zmq_options})
     rpc, autograd = bench_scale._join(rank, world, "zmq", port)
     if rank == 0:
         step, threads, others = bench_scale.lab_row(row, rpc, autograd, world)
