@@ -14,7 +14,7 @@ of N and 2N steps, are read; their difference is N steps (the control calls are 
 both).
 
     python tools/lab/calls_per_message.py one-hop|fan-out:N|chain:N [--steps 200] [--top 25] [--by function|module]
-        [--opcodes] [--zmq heartbeat_interval=50 ...]
+        [--opcodes] [--zmq heartbeat_interval=50 --zmq peer_timeout=100 ...]
 """
 
 from __future__ import annotations
@@ -177,8 +177,9 @@ def main() -> None:
                         help="also count the bytecodes each function executed (slower): what the interpreter's share of "
                              "the instructions follows; the top list then shows those")
     parser.add_argument("--zmq", action="append", default=[], metavar="KEY=VALUE",
-                        help="a ZmqRpcBackendOptions field for every process (heartbeat_interval=50: heartbeats "
-                             "practically off, which a traced step, far slower than a real one, would inflate)")
+                        help="a ZmqRpcBackendOptions field for every process (heartbeat_interval=50 with "
+                             "peer_timeout=100, which must exceed it: heartbeats practically off, which a traced "
+                             "step, far slower than a real one, would inflate)")
     args = parser.parse_args()
     zmq_options = bench_scale.parse_options(args.zmq)
     world = bench_scale.lab_world(args.row)

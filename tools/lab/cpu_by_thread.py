@@ -5,7 +5,7 @@ threads went to sleep per step (voluntary context switches). Threads are named b
 timers, libzmq's own (ZMQbg/...).
 
     python tools/lab/cpu_by_thread.py one-hop|threads:16|fan-out:16|chain:9 [--steps 200] [--framework tp]
-                                      [--zmq heartbeat_interval=50 ...]
+                                      [--zmq heartbeat_interval=50 --zmq peer_timeout=100 ...]
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--framework", choices=["zmq", "tp"], default="zmq", help="tp: TensorPipe, for comparison")
     parser.add_argument("--zmq", action="append", default=[], metavar="KEY=VALUE",
-                        help="a ZmqRpcBackendOptions field (numbers), e.g. heartbeat_interval=50")
+                        help="a ZmqRpcBackendOptions field (numbers), e.g. heartbeat_interval=50 with "
+                             "peer_timeout=100 (which must exceed it)")
     args = parser.parse_args()
     zmq_options = bench_scale.parse_options(args.zmq)
     world = bench_scale.lab_world(args.row)
