@@ -55,8 +55,7 @@ class EndpointOptions:
     cluster_secret: str | bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if not 0 < self.heartbeat_interval < self.peer_timeout:
-            raise ValueError("need 0 < heartbeat_interval < peer_timeout")
+        check_liveness_bounds(self.heartbeat_interval, self.peer_timeout)
         if self.connect_timeout <= 0 or self.close_linger < 0:
             raise ValueError("connect_timeout must be > 0 and close_linger >= 0")
         if self.busy_poll < 0:
@@ -69,6 +68,14 @@ class EndpointOptions:
             raise ValueError("spin must be >= 0")
         if self.max_queued_bytes < 0 or self.max_queued_messages < 0:
             raise ValueError("max_queued_bytes and max_queued_messages must be >= 0")
+
+def check_liveness_bounds(heartbeat_interval: float, peer_timeout: float) -> None:
+    """Raise ValueError unless heartbeats come more often than a silent peer is declared lost."""
+    if not 0 < heartbeat_interval < peer_timeout:
+        raise ValueError(f"heartbeat_interval ({heartbeat_interval!r} s) must be > 0 and below "
+                         f"peer_timeout ({peer_timeout!r} s): a peer not heard from for "
+                         f"peer_timeout is declared lost")
+
 
 @dataclass
 class PeerStats:

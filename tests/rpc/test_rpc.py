@@ -175,6 +175,13 @@ def test_wrong_types_and_invalid_names():
     for bad in ({"rpc_timeout": timedelta(seconds=5)}, {"num_worker_threads": 2.5}, {"init_method": None}):
         with pytest.raises(TypeError, match="incompatible constructor arguments"):
             rpc.TensorPipeRpcBackendOptions(**bad)
+    # Liveness bounds that the endpoint would refuse at init_rpc are refused at construction,
+    # before any rank joins a rendezvous that the others would then wait in.
+    for heartbeat_interval, peer_timeout in ((50, 10.0), (5.0, 5.0), (0, 10.0)):
+        with pytest.raises(ValueError, match=rf"heartbeat_interval \({heartbeat_interval!r} s\) must be > 0 "
+                                             rf"and below peer_timeout \({peer_timeout!r} s\)"):
+            rpc.ZmqRpcBackendOptions(heartbeat_interval=heartbeat_interval, peer_timeout=peer_timeout)
+    assert rpc.ZmqRpcBackendOptions(heartbeat_interval=50, peer_timeout=100).peer_timeout == 100
 
     class OtherBackendOptions(rpc.RpcBackendOptions):
         pass

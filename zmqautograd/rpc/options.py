@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zmqautograd.transport.lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN
+from zmqautograd.transport.peers import check_liveness_bounds
 from zmqautograd.transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING
 from zmqautograd.transport.shm import DEFAULT_SPIN
 
@@ -158,6 +159,8 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
                                 f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__qualname__}")
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        # The endpoint checks it too, but only at init_rpc, after the rendezvous began.
+        check_liveness_bounds(self.heartbeat_interval, self.peer_timeout)
         if self.max_queued_calls < 0:
             raise ValueError(f"max_queued_calls must be >= 0 (0: no bound), got {self.max_queued_calls}")
         if self.cuda_ipc and not self.lend_min:
