@@ -32,6 +32,7 @@ sys.path.insert(0, ROOT)
 import torch.multiprocessing as mp  # noqa: E402
 
 from tools import bench_scale, ports  # noqa: E402
+from tools.lab import next_result  # noqa: E402
 
 # Counted once per message: what "per message" divides by.
 RECEIVED = "transport/io_loop.py:IoThread._handle_incoming"
@@ -187,7 +188,7 @@ def main() -> None:
     group = mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.opcodes, results, zmq_options),
                                nprocs=world, start_method="spawn", join=False)
     # Read before joining: the counts may not fit the pipe, and the driver waits until they are read.
-    per_process = results.get()
+    per_process = next_result(group, results)
     while not group.join():
         pass
     listed = "bytecodes" if args.opcodes else "calls"

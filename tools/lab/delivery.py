@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from tools import ports  # noqa: E402
+from tools.lab import next_result  # noqa: E402
 
 # This process's trace, filled by the wrapped ring functions (``_install``).
 _writes: list = []  # (ns, receiver, whether a thread of the receiver was spinning)
@@ -151,10 +152,7 @@ def measure(pipeline: bool, steps: int, warmup: int = 100) -> tuple[float, dict[
     processes = mp.start_processes(_run, args=(world, port, steps, warmup, results), nprocs=world,
                                    start_method="spawn", join=False)
     # Read while they run: rank 0 blocks on a full pipe until its traces are read.
-    while results.empty():
-        if processes.join(timeout=0.2):  # all ended (raises if one failed)
-            raise RuntimeError("the processes ended without a result")
-    seconds, start, end, traces = results.get()
+    seconds, start, end, traces = next_result(processes, results)
     while not processes.join():
         pass
     return seconds * 1e6, delays(traces, start, end)

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch.multiprocessing as mp  # noqa: E402
 
 from tools import bench_scale, ports  # noqa: E402
+from tools.lab import next_result  # noqa: E402
 
 SYSCALLS = ("futex", "read", "write", "sendto", "poll", "epoll_wait", "sched_yield")
 COLUMNS = ("context-switches", *SYSCALLS)  # per process and step
@@ -140,7 +141,7 @@ def main() -> None:
     results = mp.get_context("spawn").SimpleQueue()
     context = mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.seconds, args.framework, results),
                                  nprocs=world, start_method="spawn", join=False)
-    _, pids = results.get()
+    _, pids = next_result(context, results)
     window = max(1.0, args.seconds - 1.0)
     with tempfile.TemporaryDirectory() as folder:
         perfs = [_perf_stat(pid, window, os.path.join(folder, f"{rank}.stat")) for rank, pid in enumerate(pids)]
@@ -151,7 +152,7 @@ def main() -> None:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for perf in perfs:
             perf.wait()
-        _, steps, elapsed = results.get()
+        _, steps, elapsed = next_result(context, results)
         context.join()
         rate = steps / elapsed  # steps per second
         print(f"{args.row} ({args.framework}): {elapsed / steps * 1e6:.0f} us per step; per step, by process:")
