@@ -156,7 +156,10 @@ class IoThread:
         zmtp_interval = max(options.heartbeat_interval, options.peer_timeout / 2)
         router.setsockopt(zmq.HEARTBEAT_IVL, int(zmtp_interval * 1000))
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, zmtp_timeout)
-        router.setsockopt(zmq.HEARTBEAT_TTL, zmtp_timeout)
+        # No HEARTBEAT_TTL: both ends ping and time out on their own, and libzmq's receiver
+        # keeps the TTL in 16-bit milliseconds (libzmq issue 4226): one above 65.5 s wraps,
+        # to 64 ms for 65.6 s, and then every ping closed a connection that is otherwise
+        # quiet, as those of workers that talk through shared memory are.
         # libzmq refuses a frame larger than the limit as it arrives, before it buffers it
         # (the connection is closed). The codec checks the whole message after that; senders
         # check it first against the limit the peer's HELLO gave, so theirs fail cleanly.

@@ -183,6 +183,24 @@ def test_silent_peer_detected_by_heartbeat_timeout():
         server.stop()
 
 
+def test_a_long_peer_timeout_keeps_quiet_connections_through_libzmq_pings():
+    """With peer_timeout 63.6 s, libzmq pings every 31.8 s. A ping that carried its timeout
+    as a TTL closed the connection 64 ms later at the other end (libzmq keeps the TTL in
+    16-bit milliseconds: 65,600 wraps to 64) unless something else came through the
+    socket: between workers of one host, nothing else does (their messages use the rings)."""
+    server = start_server("patient")
+    client = Client(server, heartbeat_interval=1.0, peer_timeout=63.6)
+    try:
+        assert client.call({"op": "echo", "data": 1}) == 1
+        with pytest.raises(queue.Empty):  # past the first ping (and the TTL's 64 ms)
+            client.lost.get(timeout=36)
+        assert client.call({"op": "echo", "data": 2}) == 2
+        assert client.endpoint.peers()["patient"] == "ready"
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_unknown_peer_closed_endpoint_and_connect_timeout():
     endpoint = Endpoint("lonely", options=EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, connect_timeout=0.5))
     lost = queue.SimpleQueue()
