@@ -45,6 +45,7 @@ _MORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 
 _RECV_BATCH = 256  # messages received per loop turn before the outbox gets a look again
 
+_MAX_ZMQ_MS = (1 << 31) - 1  # libzmq's time options are C ints of milliseconds (24.8 days)
 _ZERO_COPY_MIN = 1 << 16  # smaller messages are copied into their frames (cheaper to set up)
 
 
@@ -152,9 +153,9 @@ class IoThread:
         # (at one ping a second, 1.2% of the CPU of a fan-out to 15 workers on 2 cores): a
         # backstop needs only a few pings per timeout.
         options = self.options
-        zmtp_timeout = int((options.peer_timeout + max(2 * options.heartbeat_interval, 1.0)) * 1000)
-        zmtp_interval = max(options.heartbeat_interval, options.peer_timeout / 2)
-        router.setsockopt(zmq.HEARTBEAT_IVL, int(zmtp_interval * 1000))
+        zmtp_timeout = min(int((options.peer_timeout + max(2 * options.heartbeat_interval, 1.0)) * 1000), _MAX_ZMQ_MS)
+        zmtp_interval = min(int(max(options.heartbeat_interval, options.peer_timeout / 2) * 1000), _MAX_ZMQ_MS)
+        router.setsockopt(zmq.HEARTBEAT_IVL, zmtp_interval)
         router.setsockopt(zmq.HEARTBEAT_TIMEOUT, zmtp_timeout)
         # No HEARTBEAT_TTL: both ends ping and time out on their own, and libzmq's receiver
         # keeps the TTL in 16-bit milliseconds (libzmq issue 4226): one above 65.5 s wraps,

@@ -4,6 +4,7 @@ and the record the I/O thread keeps per connection."""
 from __future__ import annotations
 
 import enum
+import math
 import socket
 import threading
 import time
@@ -75,6 +76,10 @@ def check_liveness_bounds(heartbeat_interval: float, peer_timeout: float) -> Non
         raise ValueError(f"heartbeat_interval ({heartbeat_interval!r} s) must be > 0 and below "
                          f"peer_timeout ({peer_timeout!r} s): a peer not heard from for "
                          f"peer_timeout is declared lost")
+    if not math.isfinite(peer_timeout):
+        # (a lost peer's lent buffers are held for it: docs/transport.md, "Lending")
+        raise ValueError(f"peer_timeout must be a finite number of seconds, got {peer_timeout!r} (for "
+                         f"peers that may be silent for days, give that many seconds)")
 
 
 @dataclass

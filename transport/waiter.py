@@ -39,6 +39,12 @@ _EXCLUSIVE_IN = select.EPOLLIN | EXCLUSIVE if EXCLUSIVE is not None else 0  # (u
 _HAS_EVENTFD = hasattr(os, "eventfd")
 
 
+# The longest one sleep lasts: epoll, poll and lock waits refuse timeouts beyond about 24.8
+# days (OverflowError), and a caller's long timeout or heartbeat interval may ask for more. A
+# sleep cut short is a spurious wake-up, which every caller handles (it looks again).
+LONGEST_SLEEP = 3600.0
+
+
 def _milliseconds(timeout: float) -> int:
     """``select.poll``'s timeout for ``timeout`` seconds, rounded up (never sleeps short)."""
     return max(0, int(timeout * 1000 + 0.999))
@@ -116,9 +122,9 @@ class Waiter:
         """Sleep until woken, until the ROUTER has input (when it ``reads``), or ``timeout``
         seconds; a wake-up that came before returns at once."""
         if self._epoll:
-            events = self._poller.poll(-1 if timeout is None else timeout)
+            events = self._poller.poll(-1 if timeout is None else min(timeout, LONGEST_SLEEP))
         else:
-            events = self._poller.poll(None if timeout is None else _milliseconds(timeout))
+            events = self._poller.poll(None if timeout is None else _milliseconds(min(timeout, LONGEST_SLEEP)))
         for fd, _ in events:
             if fd == self._read_fd:  # woken: reset, so that the next sleep waits for a new wake-up
                 try:
@@ -161,7 +167,7 @@ class LockWaiter:
 
     def sleep(self, timeout: float | None) -> None:
         # Returning with the lock taken again is the reset: the next sleep waits anew.
-        self._asleep.acquire(timeout=-1 if timeout is None else max(0.0, timeout))
+        self._asleep.acquire(timeout=-1 if timeout is None else max(0.0, min(timeout, LONGEST_SLEEP)))
 
     def attach(self, router_fd: int) -> None:
         raise AssertionError("a LockWaiter never reads")
@@ -209,10 +215,10 @@ class IoPoller:
             self.poll = self._poll_poll
 
     def _poll_epoll(self, timeout: float) -> bool:
-        return bool(self._poller.poll(timeout))
+        return bool(self._poller.poll(min(timeout, LONGEST_SLEEP)))
 
     def _poll_poll(self, timeout: float) -> bool:
-        return bool(self._poller.poll(_milliseconds(timeout)))
+        return bool(self._poller.poll(_milliseconds(min(timeout, LONGEST_SLEEP))))
 
     def go_last(self) -> None:
         """Queue behind a waiter registered since: re-register the ROUTER's descriptor (any

@@ -115,7 +115,8 @@ class _TimerThread:
                 if not due:
                     # Timers fire up to _SLACK late, so that ones due close together fire in
                     # one wake-up: a wake-up per timer costs a context switch.
-                    self._changed.wait(self._heap[0][0] - now + _SLACK if self._heap else None)
+                    # (at most an hour: a lock wait refuses timeouts beyond about 24.8 days)
+                    self._changed.wait(min(self._heap[0][0] - now + _SLACK, 3600.0) if self._heap else None)
                     continue
                 self._lock.release()
                 try:

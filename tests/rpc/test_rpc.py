@@ -1229,3 +1229,31 @@ def test_every_error_type_of_ours_raised_remotely_is_rebuilt_with_its_type_and_m
         assert "On WorkerInfo(id=1, name=worker1)" in str(caught.value)
         if len(args) == 2:
             assert caught.value.peer == "3"
+
+
+def _wait_without_limit(rank: int, init_method: str, results) -> None:
+    """A worker whose timeouts are longer than any wait of the OS (epoll and lock waits
+    refuse more than about 24.8 days, thread waits more than 292 years)."""
+    try:
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=rpc.ZmqRpcBackendOptions(
+            init_method=init_method, rpc_timeout=float("inf")))
+        got = []
+        if rank == 0:
+            # Answered after the caller went to sleep: the sleep itself is what refused.
+            got.append(rpc.rpc_sync("worker1", f.sleep_and_return, args=(0.2, 1)))
+            for timeout in (1e12, float("inf")):
+                got.append(rpc.rpc_sync("worker1", f.sleep_and_return, args=(0.2, 2), timeout=timeout))
+                got.append(rpc.rpc_async("worker1", f.sleep_and_return, args=(0.2, 3), timeout=timeout).wait())
+                got.append(rpc.remote("worker1", f.sleep_and_return, args=(0.2, 4), timeout=timeout).to_here(timeout))
+        rpc.shutdown(timeout=float("inf"))
+        results.put((rank, got))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_timeouts_longer_than_any_wait_mean_no_limit():
+    """rpc_timeout, call timeouts and shutdown's timeout of inf or 1e12 s raised
+    OverflowError from a sleep, at init_rpc, in calls and in shutdown."""
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    outcome = dict(spawn_and_collect(_wait_without_limit, [(rank, init_method) for rank in (0, 1)]))
+    assert outcome == {0: [1, 2, 3, 4, 2, 3, 4], 1: []}, outcome

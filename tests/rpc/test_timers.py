@@ -107,3 +107,21 @@ def test_a_forked_child_runs_timers_on_a_thread_of_its_own():
         os._exit(0 if fired.wait(10) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_a_timer_due_after_any_wait_of_the_os_leaves_the_thread_serving_others():
+    """A call's timeout of 1e12 s or inf is a timer that far away; waiting for it alone made
+    the thread's lock wait raise OverflowError, and the thread ended."""
+    clock = timers._TimerThread()  # (the process's may have nearer timers of other tests)
+    far = [clock.call_later(delay, lambda: None) for delay in (1e12, float("inf"))]
+    thread = clock._thread
+    assert thread is not None
+    time.sleep(0.05)  # the thread now waits for the far timers alone (nothing signals that)
+    ran = threading.Event()
+    clock.call_later(0.0, ran.set)
+    try:
+        assert ran.wait(10)
+        assert clock._thread is thread and thread.is_alive()  # not ended and replaced
+    finally:
+        for handle in far:
+            handle.cancel()

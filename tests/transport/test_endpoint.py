@@ -201,6 +201,27 @@ def test_a_long_peer_timeout_keeps_quiet_connections_through_libzmq_pings():
         server.stop()
 
 
+def test_liveness_bounds_beyond_what_libzmq_and_the_os_count_still_work():
+    """A heartbeat interval of 116 days and a peer_timeout of 232: libzmq's times are C ints
+    of milliseconds (24.8 days) and epoll waits no longer either; the endpoint failed to bind
+    ("value too large to convert to int"), then its I/O thread died on its first sleep. An
+    infinite peer_timeout is refused by name."""
+    options = EndpointOptions(heartbeat_interval=1e7, peer_timeout=2e7)
+    a = Endpoint("patient-a", options=options)
+    b = Endpoint("patient-b", options=options)
+    try:
+        b.connect("patient-a", a.address)
+        b.wait_for_peer("patient-a", 30)
+        b.send("patient-a", Message(MessageType.PYTHON_CALL, 1, "patient-b", "still here"))
+        assert a.recv(30).payload == "still here"
+        assert a.peers()["patient-b"] == b.peers()["patient-a"] == "ready"
+    finally:
+        b.close()
+        a.close()
+    with pytest.raises(ValueError, match="peer_timeout must be a finite number of seconds, got inf"):
+        EndpointOptions(peer_timeout=float("inf"))
+
+
 def test_unknown_peer_closed_endpoint_and_connect_timeout():
     endpoint = Endpoint("lonely", options=EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, connect_timeout=0.5))
     lost = queue.SimpleQueue()

@@ -79,7 +79,7 @@ def init_rpc(
         if _agent is not None:
             raise RpcError("RPC is already initialized")
         _collect_startup_garbage()
-        timeout = options.rpc_timeout if options.rpc_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
+        timeout = _wait_limit(options.rpc_timeout) or DEFAULT_RPC_TIMEOUT_SEC  # (start-up's)
         rendezvous: Rendezvous | DynamicGroup
         if world_size is None and not _world_size_from_environment(options.init_method):
             rendezvous = DynamicGroup(options.init_method, rank, timeout)  # membership.py
@@ -110,6 +110,12 @@ def _collect_startup_garbage() -> None:
         gc.collect()
 
 
+def _wait_limit(timeout: float) -> float | None:
+    """``timeout`` seconds as the limit of a wait; None, no limit, for 0 or less (torch's "no
+    timeout") and beyond what a thread can wait (``threading.TIMEOUT_MAX``, 292 years; inf)."""
+    return timeout if 0 < timeout < threading.TIMEOUT_MAX else None
+
+
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Stop RPC on this worker.
 
@@ -128,7 +134,7 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         agent = _current()
     # The agent stays current until it closes: while we wait for the others, this worker
     # still serves their calls, and those may make RPCs of their own.
-    limit = timeout if timeout > 0 else None
+    limit = _wait_limit(timeout)
     error: Exception | None = None
     barrier = agent.shutdown_barrier if agent.group is None else (lambda limit: None)
     if graceful:
