@@ -286,7 +286,8 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
             record = self._peers.get(peer)
         if record is None:
             raise UnknownPeerError(peer, f"{self.identity}: unknown peer {peer!r}")
-        if not record.ready.wait(timeout):
+        # (a lock wait refuses more than threading.TIMEOUT_MAX: longer is no limit)
+        if not record.ready.wait(None if timeout is None or timeout >= threading.TIMEOUT_MAX else timeout):
             raise TimeoutError(f"{self.identity}: peer {peer!r} did not connect within {timeout} s")
         if record.lost_error is not None:
             raise record.lost_error
