@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -37,17 +39,33 @@ def _identical(a: list, b: list) -> bool:
 
 
 def _close(a: list, b: list) -> bool:
-    # torch's own runs of this program are not bit-repeatable: ours and TensorPipe's usually
-    # agree to 1.5e-8, but one CI run of TensorPipe ended 1e-5 away from its usual weights
-    # (ours matched the usual ones). Three unaveraged steps of six (no_sync) move the heads
-    # by 1.6e-2, so 1e-4 still tells them apart by two orders of magnitude.
+    # Ours and TensorPipe's runs usually agree to 1.5e-8. Three unaveraged steps of six
+    # (no_sync) move the heads by 1.6e-2, so 1e-4 still tells them apart by two orders of
+    # magnitude.
     return all(torch.allclose(x, y, atol=1e-4, rtol=1e-4) for x, y in zip(_tensors(a), _tensors(b)))
 
 
-@pytest.mark.timeout(420)
+def _close_runs(a: dict, b: dict, *fields: str) -> bool:
+    """Whether each of ``fields`` (a list per trainer) is close in both runs."""
+    return all(_close(x, y) for field in fields for x, y in zip(a[field], b[field]))
+
+
+def _tensorpipe_run_like(ours: dict, mode: str, agree: Callable[[dict, dict], bool]) -> dict:
+    """TensorPipe's run of ``mode``; a second one where the first does not ``agree(ours, it)``.
+    torch's own runs of this program are not repeatable: one CI run of TensorPipe ended 1e-5
+    away from its usual weights, another 1e-4 away (-0.30607 for -0.30617), while ours and
+    TensorPipe's other runs gave the usual ones. Ours must still match torch's second run."""
+    torchs = _run("tensorpipe", mode)
+    if agree(ours, torchs):
+        return torchs
+    return _run("tensorpipe", mode)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["plain", "find_unused"])
 def test_ddp_replicas_stay_identical_and_match_tensorpipe(mode):
-    ours, torchs = _run("zmq", mode), _run("tensorpipe", mode)
+    ours = _run("zmq", mode)
+    torchs = _tensorpipe_run_like(ours, mode, lambda a, b: _close_runs(a, b, "heads", "losses"))
     heads = ours["heads"]
     assert all(_identical(heads[0], other) for other in heads[1:]), "the trainers' DDP replicas drifted apart"
     for mine, theirs in zip(heads, torchs["heads"]):
@@ -58,9 +76,10 @@ def test_ddp_replicas_stay_identical_and_match_tensorpipe(mode):
     assert all(losses[-1] < losses[0] for losses in ours["losses"])
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_no_sync_steps_are_not_averaged_as_in_torch():
-    ours, torchs = _run("zmq", "no_sync"), _run("tensorpipe", "no_sync")
+    ours = _run("zmq", "no_sync")
+    torchs = _tensorpipe_run_like(ours, "no_sync", lambda a, b: _close_runs(a, b, "heads"))
     # Every other step under no_sync(): each trainer applies its own gradient, so the heads
     # differ afterwards, exactly as under torch.
     assert not _identical(ours["heads"][0], ours["heads"][1])
@@ -68,13 +87,15 @@ def test_no_sync_steps_are_not_averaged_as_in_torch():
         assert _close(mine, theirs)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_two_contexts_open_at_once_on_one_ddp_model_match_torch():
     """Forward in context 1, forward in context 2, backward 1, backward 2, on two threads of
     every trainer. Under torch the second forward re-arms DDP's reducer, the first backward
     averages and finishes the reduction, the second backward's hooks find it finished: the
     first context holds averaged gradients, the second each trainer's own."""
-    ours, torchs = _run("zmq", "two_contexts"), _run("tensorpipe", "two_contexts")
+    ours = _run("zmq", "two_contexts")
+    torchs = _tensorpipe_run_like(
+        ours, "two_contexts", lambda a, b: all(_close(x[0], y[0]) and _close(x[1], y[1]) for x, y in zip(a["grads"], b["grads"])))
     (first_1, second_1), (first_2, second_2) = ours["grads"]
     assert _identical(first_1, first_2), "the first context's gradients were not averaged"
     assert not _identical(second_1, second_2)
