@@ -39,9 +39,10 @@ _EXCLUSIVE_IN = select.EPOLLIN | EXCLUSIVE if EXCLUSIVE is not None else 0  # (u
 _HAS_EVENTFD = hasattr(os, "eventfd")
 
 
-# The longest one sleep lasts: epoll, poll and lock waits refuse timeouts beyond about 24.8
-# days (OverflowError), and a caller's long timeout or heartbeat interval may ask for more. A
-# sleep cut short is a spurious wake-up, which every caller handles (it looks again).
+# The longest one sleep lasts: epoll and poll refuse timeouts beyond about 24.8 days, lock
+# waits beyond threading.TIMEOUT_MAX (OverflowError), and a caller's timeout (inf, say) or
+# heartbeat interval may ask for more. A sleep cut short is a spurious wake-up, which every
+# caller handles (it looks again).
 LONGEST_SLEEP = 3600.0
 
 

@@ -24,6 +24,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _SLACK = 0.005
+# A lock wait refuses a timeout above threading.TIMEOUT_MAX, and a call's timeout may be inf:
+# the thread waits at most this long at a time (seconds).
+_LONGEST_WAIT = 3600.0
 _COMPACT_MIN = 64  # cancelled handles in the heap before it may be compacted
 
 
@@ -115,8 +118,7 @@ class _TimerThread:
                 if not due:
                     # Timers fire up to _SLACK late, so that ones due close together fire in
                     # one wake-up: a wake-up per timer costs a context switch.
-                    # (at most an hour: a lock wait refuses timeouts beyond about 24.8 days)
-                    self._changed.wait(min(self._heap[0][0] - now + _SLACK, 3600.0) if self._heap else None)
+                    self._changed.wait(min(self._heap[0][0] - now + _SLACK, _LONGEST_WAIT) if self._heap else None)
                     continue
                 self._lock.release()
                 try:
