@@ -63,12 +63,14 @@ class EndpointOptions:
             raise ValueError("busy_poll must be >= 0")
         if self.lend_min < 0 or self.lend_cache < 0:
             raise ValueError("lend_min and lend_cache must be >= 0")
-        if self.shm_ring < 0 or 0 < self.shm_ring < 4096:
-            raise ValueError("shm_ring must be 0 (off) or >= 4096")
+        check_shm_ring(self.shm_ring)
         if self.spin < 0:
             raise ValueError("spin must be >= 0")
         if self.max_queued_bytes < 0 or self.max_queued_messages < 0:
             raise ValueError("max_queued_bytes and max_queued_messages must be >= 0")
+
+MAX_SHM_RING = 1 << 30
+
 
 def check_liveness_bounds(heartbeat_interval: float, peer_timeout: float) -> None:
     """Raise ValueError unless heartbeats come more often than a silent peer is declared lost."""
@@ -80,6 +82,16 @@ def check_liveness_bounds(heartbeat_interval: float, peer_timeout: float) -> Non
         # (a lost peer's lent buffers are held for it: docs/transport.md, "Lending")
         raise ValueError(f"peer_timeout must be a finite number of seconds, got {peer_timeout!r} (for "
                          f"peers that may be silent for days, give that many seconds)")
+
+
+def check_shm_ring(shm_ring: int) -> None:
+    """Raise ValueError unless ``shm_ring`` is 0 (off) or a ring size from 4 KiB to 1 GiB. A
+    message of any size streams through a ring, so a bigger one only takes memory, from
+    the start, per direction and same-host peer."""
+    if shm_ring < 0 or 0 < shm_ring < 4096 or shm_ring > MAX_SHM_RING:
+        raise ValueError(f"shm_ring must be 0 (off) or from 4096 to {MAX_SHM_RING} bytes, got {shm_ring!r}: "
+                         f"messages of any size stream through a ring, which takes its memory per "
+                         f"same-host peer and direction")
 
 
 @dataclass

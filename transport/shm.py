@@ -110,6 +110,30 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
 
 
+def memory_available() -> int | None:
+    """Bytes this process may still take: the kernel's estimate (MemAvailable), or less
+    where its cgroup (v2) sets a limit; None where neither can be read."""
+    found = None
+    try:
+        with open("/proc/meminfo", "rb") as meminfo:
+            for line in meminfo:
+                if line.startswith(b"MemAvailable:"):
+                    found = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max", "rb") as limit_file:
+            limit = limit_file.read().strip()
+        if limit != b"max":
+            with open("/sys/fs/cgroup/memory.current", "rb") as current_file:
+                room = int(limit) - int(current_file.read())
+            found = room if found is None else min(found, room)
+    except (OSError, ValueError):
+        pass
+    return found
+
+
 def _create_memfd(name: str, size: int, magic: bytes) -> tuple[mmap.mmap, int]:
     """Zeroed anonymous shared memory (``memfd``: no file to leave behind) with ``magic`` at
     ``_DATA - 32``; peers map it through ``/proc/<our pid>/fd/<fd>`` (:func:`_map_peer_memfd`).
@@ -119,7 +143,15 @@ def _create_memfd(name: str, size: int, magic: bytes) -> tuple[mmap.mmap, int]:
     wrapped once, in the writer (allocating and zeroing it) and then in the reader: 1-5 us a
     fault on the development VMs, two of each per 8 KiB message, for the first 1 MiB sent
     to each peer (docs/performance.md). The price: a ring's memory is taken when it is made,
-    not as traffic reaches it (``shm_ring`` bytes per direction and same-host peer)."""
+    not as traffic reaches it (``shm_ring`` bytes per direction and same-host peer).
+
+    Refused (OSError ENOMEM) beyond an eighth of the memory still available: shared memory
+    does not fail its allocation when memory runs out, the kernel's OOM killer ends a
+    process instead (a 1 TiB ring killed its maker). The caller goes without a ring."""
+    available = memory_available()
+    if available is not None and size > available // 8:
+        raise OSError(errno.ENOMEM, f"{size} bytes of shared memory would take more than an eighth of "
+                                    f"the {available} bytes still available")
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)

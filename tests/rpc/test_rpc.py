@@ -182,6 +182,8 @@ def test_wrong_types_and_invalid_names():
                                              rf"and below peer_timeout \({peer_timeout!r} s\)"):
             rpc.ZmqRpcBackendOptions(heartbeat_interval=heartbeat_interval, peer_timeout=peer_timeout)
     assert rpc.ZmqRpcBackendOptions(heartbeat_interval=50, peer_timeout=100).peer_timeout == 100
+    with pytest.raises(ValueError, match="shm_ring must be 0 .off. or from 4096 to 1073741824 bytes"):
+        rpc.ZmqRpcBackendOptions(shm_ring=1 << 40)  # (a ring that size made the OOM killer end its maker)
 
     class OtherBackendOptions(rpc.RpcBackendOptions):
         pass

@@ -5,6 +5,7 @@ memory."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import multiprocessing
 import os
 import queue
@@ -545,6 +546,28 @@ def test_a_peer_whose_doorbell_cannot_be_reached_stays_on_the_socket(monkeypatch
         b.send("a", Message(MessageType.PYTHON_RET, 1, "b", "back"))
         assert a.recv(30).payload == "back"
         assert not a.stats()["b"].shared_memory and not b.stats()["a"].shared_memory
+
+
+def test_a_ring_that_would_crowd_memory_is_not_made_and_the_peer_stays_on_the_socket(monkeypatch):
+    # Shared memory does not fail its allocation when memory runs out: the kernel's OOM
+    # killer ends a process instead (a 1 TiB ring killed the process that made it). With
+    # less than eight rings' worth of memory available, no ring is made, and messages flow
+    # through the socket, in order.
+    assert shm.memory_available() > 0  # (read from /proc/meminfo here)
+    capacity = 1 << 20
+    monkeypatch.setattr(shm, "memory_available", lambda: 8 * capacity - 1)
+    with pytest.raises(OSError, match="more than an eighth") as refused:
+        shm.Ring.create(capacity)
+    assert refused.value.errno == errno.ENOMEM
+    with _paired(rings=False, shm_ring=capacity) as (a, b, _lost):
+        for seq in range(200):
+            a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
+        assert [b.recv(30).payload for _ in range(200)] == list(range(200))
+        assert not a.stats()["b"].shared_memory and not b.stats()["a"].shared_memory
+    # And a ring beyond any use is refused with the options, before anything is made.
+    with pytest.raises(ValueError, match="shm_ring must be 0 .off. or from 4096 to 1073741824 bytes"):
+        EndpointOptions(shm_ring=1 << 40)
+    assert EndpointOptions(shm_ring=1 << 30).shm_ring == 1 << 30
 
 
 def _publish_and_watch(pid: int, ring_fd: int, flags_fd: int, capacity: int, seconds: float, result) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zmqautograd.transport.lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN
-from zmqautograd.transport.peers import check_liveness_bounds
+from zmqautograd.transport.peers import check_liveness_bounds, check_shm_ring
 from zmqautograd.transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING
 from zmqautograd.transport.shm import DEFAULT_SPIN
 
@@ -100,7 +100,7 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
             a crash it caused under concurrent sends has run on a GPU.
         shm_ring: messages to a worker on the same host go through a ring of this many bytes
             in shared memory instead of a socket (docs/transport.md, "Shared-memory rings");
-            0 turns that off.
+            0 turns that off; at most 1 GiB (messages of any size stream through a ring).
         spin: seconds. With such workers, a thread that waits (for an answer, or idle for
             work) first spins on the rings for up to this long, yielding its CPU between
             looks, before it sleeps (less, down to not at all, where its waits have lasted
@@ -159,8 +159,9 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
                                 f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__qualname__}")
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
-        # The endpoint checks it too, but only at init_rpc, after the rendezvous began.
+        # The endpoint checks these too, but only at init_rpc, after the rendezvous began.
         check_liveness_bounds(self.heartbeat_interval, self.peer_timeout)
+        check_shm_ring(self.shm_ring)
         if self.max_queued_calls < 0:
             raise ValueError(f"max_queued_calls must be >= 0 (0: no bound), got {self.max_queued_calls}")
         if self.cuda_ipc and not self.lend_min:
