@@ -38,7 +38,8 @@ class EndpointOptions:
     # idle ones are kept up to this many bytes (transport/staging.py). 0: a new buffer each time.
     lend_cache: int = DEFAULT_LEND_CACHE
     # Messages to a peer on the same host go through a ring of this many bytes in shared
-    # memory instead of the socket (transport/shm.py; x86-64 Linux). 0: never.
+    # memory instead of the socket (transport/shm.py; x86-64 Linux). 0: never. At most
+    # MAX_SHM_RING (check_shm_ring).
     shm_ring: int = shm.DEFAULT_RING_BYTES
     # With such peers, a thread that waits (for an answer, or idle for work) first spins on
     # the rings for up to this long, yielding its CPU between looks, before it sleeps: an
