@@ -184,6 +184,10 @@ def test_wrong_types_and_invalid_names():
     assert rpc.ZmqRpcBackendOptions(heartbeat_interval=50, peer_timeout=100).peer_timeout == 100
     with pytest.raises(ValueError, match="shm_ring must be 0 .off. or from 4096 to 1073741824 bytes"):
         rpc.ZmqRpcBackendOptions(shm_ring=1 << 40)  # (a ring that size made the OOM killer end its maker)
+    for field, message in (("spin", "spin must be >= 0"), ("busy_poll", "busy_poll must be >= 0"),
+                           ("lend_min", "lend_min and lend_cache must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            rpc.ZmqRpcBackendOptions(**{field: -1})
 
     class OtherBackendOptions(rpc.RpcBackendOptions):
         pass

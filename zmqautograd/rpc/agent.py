@@ -27,7 +27,7 @@ from zmqautograd.transport import (
     PeerLostError,
     cuda_ipc,
 )
-from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
+from zmqautograd.transport.endpoint import Endpoint
 from zmqautograd.transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
 from zmqautograd.transport.security import Membership, secret_bytes
 from zmqautograd.transport.tensors import adopt_torch_thread_settings
@@ -117,17 +117,7 @@ class Agent(Calling, Answers, Serving):
             on_peer_lost=self._on_peer_lost,
             on_send_error=self._on_send_error,
             codec=self.codec,
-            options=EndpointOptions(
-                heartbeat_interval=options.heartbeat_interval,
-                peer_timeout=options.peer_timeout,
-                connect_timeout=rendezvous.timeout,
-                busy_poll=options.busy_poll,
-                lend_min=options.lend_min,
-                lend_cache=options.lend_cache,
-                shm_ring=options.shm_ring,
-                spin=options.spin,
-                max_queued_bytes=options.max_queued_bytes,
-            ),
+            options=options.endpoint_options(rendezvous.timeout),
             # Requests go from the thread that received them straight to the pool that runs
             # them, and a response to rpc_sync straight to the thread that waits for it.
             executor=self._queue_call,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zmqautograd.transport.lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN
-from zmqautograd.transport.peers import check_liveness_bounds, check_shm_ring
+from zmqautograd.transport.endpoint import EndpointOptions
 from zmqautograd.transport.shm import DEFAULT_RING_BYTES as DEFAULT_SHM_RING
 from zmqautograd.transport.shm import DEFAULT_SPIN
 
@@ -159,9 +159,9 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
                                 f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__qualname__}")
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
-        # The endpoint checks these too, but only at init_rpc, after the rendezvous began.
-        check_liveness_bounds(self.heartbeat_interval, self.peer_timeout)
-        check_shm_ring(self.shm_ring)
+        # What the endpoint would refuse at init_rpc, after the rendezvous began (where the
+        # others would then wait for this rank until their timeout), is refused now.
+        self.endpoint_options(DEFAULT_RPC_TIMEOUT_SEC)
         if self.max_queued_calls < 0:
             raise ValueError(f"max_queued_calls must be >= 0 (0: no bound), got {self.max_queued_calls}")
         if self.cuda_ipc and not self.lend_min:
@@ -171,6 +171,15 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
         for to, device_map in maps.items():
             self.set_device_map(to, device_map)
         self.devices = [to_device(d) for d in (self.devices or [])]
+
+    def endpoint_options(self, connect_timeout: float) -> EndpointOptions:
+        """The options of this worker's endpoint (ValueError for values it refuses)."""
+        return EndpointOptions(
+            heartbeat_interval=self.heartbeat_interval, peer_timeout=self.peer_timeout,
+            connect_timeout=connect_timeout, busy_poll=self.busy_poll, lend_min=self.lend_min,
+            lend_cache=self.lend_cache, shm_ring=self.shm_ring, spin=self.spin,
+            max_queued_bytes=self.max_queued_bytes,
+        )
 
     def fault_options(self) -> dict[str, Any]:
         return {
