@@ -18,6 +18,9 @@ from .errors import (
 from .lending import DEFAULT_LEND_CACHE, DEFAULT_LEND_MIN, Offer, Reader
 
 
+MAX_SHM_RING = 1 << 30  # bytes: shm_ring's largest
+
+
 @dataclass
 class EndpointOptions:
     """Timing and limits of an endpoint. Times are in seconds."""
@@ -39,7 +42,7 @@ class EndpointOptions:
     lend_cache: int = DEFAULT_LEND_CACHE
     # Messages to a peer on the same host go through a ring of this many bytes in shared
     # memory instead of the socket (transport/shm.py; x86-64 Linux). 0: never. At most
-    # MAX_SHM_RING (check_shm_ring).
+    # MAX_SHM_RING.
     shm_ring: int = shm.DEFAULT_RING_BYTES
     # With such peers, a thread that waits (for an answer, or idle for work) first spins on
     # the rings for up to this long, yielding its CPU between looks, before it sleeps: an
@@ -57,43 +60,30 @@ class EndpointOptions:
     cluster_secret: str | bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_liveness_bounds(self.heartbeat_interval, self.peer_timeout)
+        if not 0 < self.heartbeat_interval < self.peer_timeout:
+            raise ValueError(f"heartbeat_interval ({self.heartbeat_interval!r} s) must be > 0 and below "
+                             f"peer_timeout ({self.peer_timeout!r} s): a peer not heard from for "
+                             f"peer_timeout is declared lost")
+        if not math.isfinite(self.peer_timeout):
+            # (a lost peer's lent buffers are held for it: docs/transport.md, "Lending")
+            raise ValueError(f"peer_timeout must be a finite number of seconds, got {self.peer_timeout!r} (for "
+                             f"peers that may be silent for days, give that many seconds)")
         if self.connect_timeout <= 0 or self.close_linger < 0:
             raise ValueError("connect_timeout must be > 0 and close_linger >= 0")
         if self.busy_poll < 0:
             raise ValueError("busy_poll must be >= 0")
         if self.lend_min < 0 or self.lend_cache < 0:
             raise ValueError("lend_min and lend_cache must be >= 0")
-        check_shm_ring(self.shm_ring)
+        if self.shm_ring < 0 or 0 < self.shm_ring < 4096 or self.shm_ring > MAX_SHM_RING:
+            # A message of any size streams through a ring: a bigger one only takes memory,
+            # from the start, per direction and same-host peer.
+            raise ValueError(f"shm_ring must be 0 (off) or from 4096 to {MAX_SHM_RING} bytes, got {self.shm_ring!r}: "
+                             f"messages of any size stream through a ring, which takes its memory per "
+                             f"same-host peer and direction")
         if self.spin < 0:
             raise ValueError("spin must be >= 0")
         if self.max_queued_bytes < 0 or self.max_queued_messages < 0:
             raise ValueError("max_queued_bytes and max_queued_messages must be >= 0")
-
-MAX_SHM_RING = 1 << 30
-
-
-def check_liveness_bounds(heartbeat_interval: float, peer_timeout: float) -> None:
-    """Raise ValueError unless heartbeats come more often than a silent peer is declared lost."""
-    if not 0 < heartbeat_interval < peer_timeout:
-        raise ValueError(f"heartbeat_interval ({heartbeat_interval!r} s) must be > 0 and below "
-                         f"peer_timeout ({peer_timeout!r} s): a peer not heard from for "
-                         f"peer_timeout is declared lost")
-    if not math.isfinite(peer_timeout):
-        # (a lost peer's lent buffers are held for it: docs/transport.md, "Lending")
-        raise ValueError(f"peer_timeout must be a finite number of seconds, got {peer_timeout!r} (for "
-                         f"peers that may be silent for days, give that many seconds)")
-
-
-def check_shm_ring(shm_ring: int) -> None:
-    """Raise ValueError unless ``shm_ring`` is 0 (off) or a ring size from 4 KiB to 1 GiB. A
-    message of any size streams through a ring, so a bigger one only takes memory, from
-    the start, per direction and same-host peer."""
-    if shm_ring < 0 or 0 < shm_ring < 4096 or shm_ring > MAX_SHM_RING:
-        raise ValueError(f"shm_ring must be 0 (off) or from 4096 to {MAX_SHM_RING} bytes, got {shm_ring!r}: "
-                         f"messages of any size stream through a ring, which takes its memory per "
-                         f"same-host peer and direction")
-
 
 @dataclass
 class PeerStats:
