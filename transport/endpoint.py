@@ -2,10 +2,10 @@
 
 Threads:
 
-* the **I/O thread** owns the endpoint's auxiliary sockets (the inproc wake-up socket, the
-  monitor socket, the ZAP socket) and does everything on the ROUTER except the sending of
-  application messages: it receives, validates envelopes, answers transport control messages,
-  sends heartbeats, connects and watches for dead peers.
+* the **I/O thread** owns the endpoint's auxiliary sockets (the monitor socket, the ZAP
+  socket) and does everything on the ROUTER except the sending of application messages: it
+  receives, validates envelopes, answers transport control messages, sends heartbeats,
+  connects and watches for dead peers. Other threads wake it through one eventfd.
 * the **dispatcher thread** decodes payloads and runs the user's callbacks, so a slow handler
   never stalls the socket. Messages of one peer reach ``on_message`` in the order they were
   sent; a peer's loss is reported after every message that arrived from it.
@@ -81,8 +81,6 @@ from .waiter import AnyWaiter
 from .waiting import WaitingThreads
 
 log = logging.getLogger(__name__)
-
-_endpoint_serial = itertools.count()
 
 
 class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtocol, Liveness, Dispatcher):
@@ -199,9 +197,7 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         self._io_asleep = False
         self._closed = False
         self._close_called = False
-        self._wake_address: str = f"inproc://zmqautograd-wake-{next(_endpoint_serial)}"
-        self._wake_sockets: list[tuple[threading.Thread, zmq.Socket]] = []
-        self._thread_local = threading.local()
+        self._thread_local = threading.local()  # .waiter: each thread's (waiting.py)
         self._dispatch_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue | None = None if on_message else queue.SimpleQueue()
         # With inline_handlers: callbacks the I/O thread runs after its receive batch (only
@@ -450,10 +446,6 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
             if self._io_thread.is_alive():
                 self._post_locked(("close",))
         self._io_thread.join()
-        with self._lock:
-            for _thread, socket in self._wake_sockets:
-                socket.close(linger=0)
-            self._wake_sockets.clear()
         self._to_dispatcher(None)
         if self._inbox is not None:
             self._to_inbox(None)
@@ -481,27 +473,8 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         self._wake_io_locked()
 
     def _wake_io_locked(self) -> None:
-        """Wake the I/O thread if it sleeps (caller holds the lock)."""
+        """Wake the I/O thread if it sleeps (caller holds the lock). Its poller's wake-up
+        descriptor stays open while ``_io_asleep`` may be true (_close_sockets)."""
         if self._io_asleep:
             self._io_asleep = False
-            self._wake_socket().send(b"", zmq.NOBLOCK)
-
-    def _wake_socket(self) -> zmq.Socket:
-        """This thread's inproc PUSH socket to the I/O thread (used under the lock only)."""
-        socket = getattr(self._thread_local, "socket", None)
-        if socket is None:
-            # Threads come and go; close the sockets of finished ones (safe: a socket is only
-            # used under the lock, which we hold).
-            live = []
-            for thread, old in self._wake_sockets:
-                if thread.is_alive():
-                    live.append((thread, old))
-                else:
-                    old.close(linger=0)
-            socket = self._context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(self._wake_address)
-            self._thread_local.socket = socket
-            live.append((threading.current_thread(), socket))
-            self._wake_sockets = live
-        return socket
+            self._io_poller.wake()

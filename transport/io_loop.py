@@ -98,7 +98,6 @@ class IoThread:
     # Made by _open_sockets before the constructor returns (it waits for them), so that every
     # thread may use them without a check.
     _router: OpenSocket
-    _wake_pull: OpenSocket
     _monitor: OpenSocket
     _zap: OpenSocket | None  # only with a membership or a cluster secret
     # The constructor's, which _open_sockets may change (no doorbell: no shared memory).
@@ -134,9 +133,6 @@ class IoThread:
             self._close_sockets(linger=self.options.close_linger)
 
     def _open_sockets(self: Endpoint, bind_list: list[str]) -> None:
-        wake_pull = self._context.socket(zmq.PULL)
-        self._wake_pull = _opened(wake_pull)
-        wake_pull.bind(self._wake_address)
         router = self._context.socket(zmq.ROUTER)
         self._router = _opened(router)
         router.setsockopt(zmq.ROUTING_ID, self._identity_bytes)
@@ -195,7 +191,7 @@ class IoThread:
                          self.identity, exc)
                 self._shm_host = None
         self._dispatch_waiter = new_waiter(self._dispatcher_reads)
-        others = [self._wake_pull, self._monitor] + ([self._zap] if self._zap is not None else [])
+        others = [self._monitor] + ([self._zap] if self._zap is not None else [])
         self._io_poller: IoPoller = IoPoller(self._shared_fds, [socket.get(zmq.FD) for socket in others])
         self._by_address: dict[str, str] = {}  # connected address -> peer
         self._by_fd: dict[int, str] = {}  # accepted connection fd -> peer
@@ -229,12 +225,14 @@ class IoThread:
             except zmq.ZMQError:
                 pass
             router.close(linger=int(linger * 1000))
-        for name in ("_monitor", "_wake_pull", "_zap"):
+        for name in ("_monitor", "_zap"):
             socket = getattr(self, name, None)
             if socket is not None:
                 socket.close(linger=0)
         poller = getattr(self, "_io_poller", None)
         if poller is not None:
+            with self._lock:  # nobody wakes it once closed (_wake_io_locked; the loop has ended)
+                self._io_asleep = False
             poller.close()
 
     def _io_loop(self: Endpoint) -> None:
@@ -243,7 +241,7 @@ class IoThread:
         next_tick = tick_after(last_tick, interval)
         poller = self._io_poller
         poll = poller.poll
-        wake, router = self._wake_pull, self._router
+        router = self._router
         socket_lock = self._socket_lock
         busy_poll = self.options.busy_poll
         spin = self.options.spin
@@ -267,11 +265,10 @@ class IoThread:
                     poll(timeout)
             else:
                 poll(timeout)
-            # Unlocked: a sender that still sees True only sends one wake-up too many.
+            # Unlocked: a sender that still sees True only sends one wake-up too many. (The
+            # poll consumed the wake-up; every socket's descriptor is edge-triggered: look at
+            # each, whatever woke us.)
             self._io_asleep = False
-            # Every socket's descriptor is edge-triggered: look at each, whatever woke us.
-            while wake.get(_EVENTS) & _POLLIN:
-                wake.recv()
             with socket_lock:
                 received = self._received
                 self._receive_batch()

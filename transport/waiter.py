@@ -57,6 +57,35 @@ def _close_poller(poller: select.epoll | select.poll) -> None:
         close()
 
 
+_ONE = (1).to_bytes(8, "little")  # an eventfd's increment (a pipe takes any bytes)
+
+
+def _wake_descriptors() -> tuple[int, int]:
+    """A wake-up descriptor, non-blocking: (read end, write end); one eventfd where there
+    are eventfds, else a pipe."""
+    if _HAS_EVENTFD:
+        fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        return fd, fd
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    return read_fd, write_fd
+
+
+def _reset(read_fd: int) -> None:
+    """Consume the wake-ups a descriptor holds, so that the next sleep waits for a new one."""
+    try:
+        os.read(read_fd, 512)
+    except (BlockingIOError, OSError):
+        pass
+
+
+def _close_descriptors(read_fd: int, write_fd: int) -> None:
+    os.close(read_fd)
+    if write_fd != read_fd:
+        os.close(write_fd)
+
+
 class Waiter:
     """How one thread waits: a wake-up descriptor, and, while it is the reading waiter, the
     ROUTER's (``attach``/``detach``; only waiters that ``reads`` may be attached).
@@ -77,20 +106,19 @@ class Waiter:
         # (transport/waiting.py), by what it waits for: [an answer, work]. None: not yet.
         self.spin_for: list[float | None] = [None, None]
         self.reads = reads and EXCLUSIVE is not None
-        if _HAS_EVENTFD:
-            self._read_fd = self._write_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        else:
-            self._read_fd, self._write_fd = os.pipe()
-            os.set_blocking(self._read_fd, False)
-            os.set_blocking(self._write_fd, False)
+        self._read_fd, self._write_fd = _wake_descriptors()
         self._epoll = EXCLUSIVE is not None
         self._poller: select.epoll | select.poll
-        if self._epoll:
-            self._poller = select.epoll()
-            self._poller.register(self._read_fd, select.EPOLLIN)
-        else:
-            self._poller = select.poll()
-            self._poller.register(self._read_fd, select.POLLIN)
+        try:
+            if self._epoll:
+                self._poller = select.epoll()  # (a descriptor: may fail at the open-file limit)
+                self._poller.register(self._read_fd, select.EPOLLIN)
+            else:
+                self._poller = select.poll()
+                self._poller.register(self._read_fd, select.POLLIN)
+        except BaseException:
+            _close_descriptors(self._read_fd, self._write_fd)  # (close() would not: no poller)
+            raise
 
     def attach(self, fd: int) -> None:
         """Watch the ROUTER's descriptor (or the doorbell's) too (another thread may call
@@ -110,7 +138,7 @@ class Waiter:
         spurious wake-up of its next wait)."""
         if self.waiting and self.sleeper != get_ident():
             try:
-                os.write(self._write_fd, b"\1\0\0\0\0\0\0\0")
+                os.write(self._write_fd, _ONE)
             except (BlockingIOError, OSError):
                 pass  # already readable (a full pipe), or closed: nobody sleeps on it
 
@@ -128,10 +156,7 @@ class Waiter:
             events = self._poller.poll(None if timeout is None else _milliseconds(min(timeout, LONGEST_SLEEP)))
         for fd, _ in events:
             if fd == self._read_fd:  # woken: reset, so that the next sleep waits for a new wake-up
-                try:
-                    os.read(fd, 512)
-                except (BlockingIOError, OSError):
-                    pass
+                _reset(fd)
 
     def close(self) -> None:
         poller = getattr(self, "_poller", None)
@@ -139,9 +164,7 @@ class Waiter:
             return
         del self._poller
         _close_poller(poller)
-        os.close(self._read_fd)
-        if self._write_fd != self._read_fd:
-            os.close(self._write_fd)
+        _close_descriptors(self._read_fd, self._write_fd)
 
     __del__ = close
 
@@ -179,6 +202,8 @@ class LockWaiter:
         return False  # nothing but its lock: it never reads
 
 
+_lock_waiters = 0  # LockWaiters made in this process
+
 # What a waiting thread has: a Waiter, or a LockWaiter where no descriptors were left.
 AnyWaiter = Waiter | LockWaiter
 
@@ -186,40 +211,73 @@ AnyWaiter = Waiter | LockWaiter
 def new_waiter(reads: bool) -> AnyWaiter:
     """A :class:`Waiter`, or, where the process has no descriptors left, a :class:`LockWaiter`
     (slower, never a failure)."""
+    global _lock_waiters
     try:
         return Waiter(reads)
     except OSError as exc:
-        log.warning("a waiting thread gets no descriptors (%s): it waits on a lock and does not receive", exc)
+        # Once: a pool grown by nested calls would log it for each of its hundreds of threads.
+        _lock_waiters += 1
+        log.log(logging.WARNING if _lock_waiters == 1 else logging.DEBUG,
+                "a waiting thread gets no descriptors (%s): it waits on a lock and does not receive "
+                "(thread %d so; the next ones are logged at DEBUG)", exc, _lock_waiters)
         return LockWaiter()
 
 
 class IoPoller:
     """The I/O thread's sleep: the descriptors it shares with the reading waiter (the
-    ROUTER's and the shared-memory doorbell's, last in line, see the module's docstring) and
-    those of its other sockets. ``poll`` returns whether anything is ready; the caller then
-    checks every socket's ``ZMQ_EVENTS`` (they are edge-triggered)."""
+    ROUTER's and the shared-memory doorbell's, last in line, see the module's docstring),
+    those of its other sockets, and its own wake-up descriptor (:meth:`wake`). ``poll``
+    returns whether anything is ready; the caller then checks every socket's
+    ``ZMQ_EVENTS`` (they are edge-triggered).
+
+    One wake-up descriptor serves every thread: an eventfd made with the poller. (Each
+    sending thread had its own inproc PUSH socket: a descriptor per thread that ever woke
+    the I/O thread, made on its first wake-up, which failed at the open-file limit after
+    the thread's message had gone, and left the I/O thread asleep.)"""
 
     def __init__(self, shared_fds: list[int], other_fds: list[int]) -> None:
         self._shared_fds = shared_fds
+        self._wake_read, self._wake_write = _wake_descriptors()
         self._poller: select.epoll | select.poll
-        if EXCLUSIVE is not None:
-            self._poller = select.epoll()
-            for fd in other_fds:
-                self._poller.register(fd, select.EPOLLIN)
-            for fd in shared_fds:
-                self._poller.register(fd, _EXCLUSIVE_IN)
-            self.poll = self._poll_epoll
-        else:
-            self._poller = select.poll()
-            for fd in [*shared_fds, *other_fds]:
-                self._poller.register(fd, select.POLLIN)
-            self.poll = self._poll_poll
+        try:
+            if EXCLUSIVE is not None:
+                self._poller = select.epoll()
+                for fd in [*other_fds, self._wake_read]:
+                    self._poller.register(fd, select.EPOLLIN)
+                for fd in shared_fds:
+                    self._poller.register(fd, _EXCLUSIVE_IN)
+                self.poll = self._poll_epoll
+            else:
+                self._poller = select.poll()
+                for fd in [*shared_fds, *other_fds, self._wake_read]:
+                    self._poller.register(fd, select.POLLIN)
+                self.poll = self._poll_poll
+        except BaseException:
+            _close_descriptors(self._wake_read, self._wake_write)
+            raise
+
+    def wake(self) -> None:
+        """End the I/O thread's sleep, or its next one (any thread; the caller makes sure
+        the poller is not closed yet: the endpoint wakes it under its lock, and stops
+        waking it, under that lock, before closing it)."""
+        try:
+            os.write(self._wake_write, _ONE)
+        except (BlockingIOError, InterruptedError):
+            pass  # readable already (a full pipe): it wakes
 
     def _poll_epoll(self, timeout: float) -> bool:
-        return bool(self._poller.poll(min(timeout, LONGEST_SLEEP)))
+        events = self._poller.poll(min(timeout, LONGEST_SLEEP))
+        for fd, _ in events:
+            if fd == self._wake_read:  # woken: reset, so that the next sleep waits for a new wake-up
+                _reset(fd)
+        return bool(events)
 
     def _poll_poll(self, timeout: float) -> bool:
-        return bool(self._poller.poll(_milliseconds(min(timeout, LONGEST_SLEEP))))
+        events = self._poller.poll(_milliseconds(min(timeout, LONGEST_SLEEP)))
+        for fd, _ in events:
+            if fd == self._wake_read:
+                _reset(fd)
+        return bool(events)
 
     def go_last(self) -> None:
         """Queue behind a waiter registered since: re-register the ROUTER's descriptor (any
@@ -231,3 +289,4 @@ class IoPoller:
 
     def close(self) -> None:
         _close_poller(self._poller)
+        _close_descriptors(self._wake_read, self._wake_write)

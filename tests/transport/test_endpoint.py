@@ -366,16 +366,83 @@ def test_cuda_tensors_travel_through_pinned_staging(client):
     assert default_pool().allocations == allocations  # staging buffers are reused
 
 
-def test_short_lived_sender_threads_do_not_accumulate_wake_sockets(client):
-    """Every sending thread gets an inproc wake-up socket; finished threads' are closed."""
-    for seq in range(50):
-        thread = threading.Thread(target=client.send, args=({"op": "record", "seq": seq},))
-        thread.start()
+def _open_descriptors() -> list[str]:
+    """What this process's descriptors are open on (those closed meanwhile left out)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # (the listing's own descriptor, say)
+    return sorted(found)
+
+
+def _wake_after_sending(client, seqs: range, errors: list, go_on: threading.Event | None = None) -> threading.Thread:
+    """A thread that sends ``seqs`` and then wakes the I/O thread as if it slept (a sender
+    wakes it when its message queued or input waits: here every time); then it waits for
+    ``go_on``, if given."""
+    endpoint = client.endpoint
+
+    def run() -> None:
+        try:
+            for seq in seqs:
+                client.send({"op": "record", "seq": seq})
+            with endpoint._lock:
+                endpoint._io_asleep = True
+                endpoint._wake_io_locked()
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        if go_on is not None:
+            go_on.wait(30)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_threads_wake_the_io_thread_with_no_descriptor_of_their_own_even_at_the_limit(client):
+    """Every thread wakes the I/O thread through the one eventfd of its poller. Each sending
+    thread had an inproc socket of its own, made on its first wake-up: a descriptor per
+    thread, and at the open-file limit (a pool grown to hundreds of threads by nested calls)
+    the wake-up raised after the message had gone, with the I/O thread left asleep."""
+    import resource
+
+    errors: list = []
+    client.call({"op": "log"})  # (this thread's waiter made)
+    before = _open_descriptors()
+    go_on = threading.Event()
+    threads = [_wake_after_sending(client, range(seq, seq + 1), errors, go_on) for seq in range(20)]
+    me = client.endpoint.identity
+    poll_until(lambda: sum(sender == me for sender, _ in client.call({"op": "log"})) == 20 or errors,
+               what="the threads to send")
+    alive = _open_descriptors()
+    go_on.set()
+    for thread in threads:
         thread.join(10)
-        client.endpoint._io_asleep = True  # force a wake-up, so each thread makes its socket
-    assert len(client.endpoint._wake_sockets) <= 3
-    log = client.call({"op": "log"})
-    assert [seq for sender, seq in log if sender == client.endpoint.identity] == list(range(50))
+    assert errors == []
+    assert alive == before, "descriptors taken by 20 threads that woke the I/O thread"
+
+    # At the open-file limit: new threads still wake it, and what they send arrives in order.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(fd) for fd in os.listdir("/proc/self/fd")) + 1, hard))
+    try:
+        try:
+            while True:  # (fills every free number below the limit)
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        for seq in range(20, 30):
+            _wake_after_sending(client, range(seq * 10, seq * 10 + 10), errors).join(10)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert errors == []
+    sent = [seq for sender, seq in client.call({"op": "log"}) if sender == me]
+    assert sorted(sent[:20]) == list(range(20))  # (the first threads sent at once)
+    assert sent[20:] == list(range(200, 300))
 
 
 def test_messages_sent_just_before_close_arrive_before_the_loss():
