@@ -60,7 +60,7 @@ from typing import Any
 
 import zmq
 
-from . import faults, lending, shm, staging
+from . import descriptors, faults, lending, shm, staging
 from .codec import Codec, Envelope, Message, MessageType
 from .dispatcher import Dispatcher
 from .errors import (
@@ -198,6 +198,7 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         self._closed = False
         self._close_called = False
         self._thread_local = threading.local()  # .waiter: each thread's (waiting.py)
+        self._open_file_room = 0  # the soft open-file limit when last raised for our peers
         self._dispatch_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox: queue.SimpleQueue | None = None if on_message else queue.SimpleQueue()
         # With inline_handlers: callbacks the I/O thread runs after its receive batch (only
@@ -264,8 +265,7 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
             existing = self._peers.get(peer)
             if existing is not None and existing.state is not PeerState.EXPECTED:
                 raise ValueError(f"peer {peer!r} is already {existing.state.value}")
-            self._peers[peer] = _Peer(peer, PeerState.CONNECTING, address=address)
-            self._stats.setdefault(peer, PeerStats())
+            self._new_peer_locked(peer, PeerState.CONNECTING, address)
             self._post_locked(("connect", peer, address))
 
     def expect(self, peer: str) -> None:
@@ -273,8 +273,17 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         with self._lock:
             self._check_open()
             if peer not in self._peers:
-                self._peers[peer] = _Peer(peer, PeerState.EXPECTED)
-                self._stats.setdefault(peer, PeerStats())
+                self._new_peer_locked(peer, PeerState.EXPECTED)
+
+    def _new_peer_locked(self, peer: str, state: PeerState, address: str | None = None) -> _Peer:
+        """A new peer's record (caller holds the lock), with room for its descriptors under
+        the process's open-file limit (transport/descriptors.py)."""
+        peers = len(self._peers) + 1
+        if descriptors.BASE + descriptors.PER_PEER * peers > self._open_file_room:
+            self._open_file_room = descriptors.make_room(peers)
+        record = self._peers[peer] = _Peer(peer, state, address=address)
+        self._stats.setdefault(peer, PeerStats())
+        return record
 
     def wait_for_peer(self, peer: str, timeout: float | None = None) -> None:
         """Block until HELLO has been exchanged with ``peer``."""
@@ -284,7 +293,9 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
             raise UnknownPeerError(peer, f"{self.identity}: unknown peer {peer!r}")
         # (a lock wait refuses more than threading.TIMEOUT_MAX: longer is no limit)
         if not record.ready.wait(None if timeout is None or timeout >= threading.TIMEOUT_MAX else timeout):
-            raise TimeoutError(f"{self.identity}: peer {peer!r} did not connect within {timeout} s")
+            short = descriptors.shortage()
+            raise TimeoutError(f"{self.identity}: peer {peer!r} did not connect within {timeout} s"
+                               + (f"; {short}" if short else ""))
         if record.lost_error is not None:
             raise record.lost_error
 

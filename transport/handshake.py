@@ -157,8 +157,7 @@ class Handshake:
         with self._lock:
             record = self._peers.get(peer)
             if record is None:
-                record = self._peers[peer] = _Peer(peer, PeerState.EXPECTED)
-                self._stats.setdefault(peer, PeerStats())
+                record = self._new_peer_locked(peer, PeerState.EXPECTED)
             if record.state is PeerState.LOST:
                 return record
             record.state = PeerState.READY

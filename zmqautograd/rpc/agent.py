@@ -27,6 +27,7 @@ from zmqautograd.transport import (
     PeerLostError,
     cuda_ipc,
 )
+from zmqautograd.transport import descriptors
 from zmqautograd.transport.endpoint import Endpoint
 from zmqautograd.transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
 from zmqautograd.transport.security import Membership, secret_bytes
@@ -233,8 +234,10 @@ class Agent(Calling, Answers, Serving):
                 return
             except TimeoutError:
                 if time.monotonic() >= deadline:
+                    short = descriptors.shortage()
                     raise RendezvousError(f"{self.info}: member {member.name} (rank {member.rank}) of the group "
-                                          f"did not connect within {timeout} s") from None
+                                          f"did not connect within {timeout} s" + (f"; {short}" if short else "")
+                                          ) from None
 
     # ------------------------------------------------------------------ dynamic groups
 
