@@ -13,7 +13,7 @@ The counts of a window of N steps include the control calls that read them. Two 
 of N and 2N steps, are read; their difference is N steps (the control calls are the same in
 both).
 
-    python tools/lab/calls_per_message.py one-hop|fan-out:N|chain:N [--steps 200] [--top 25] [--by function|module]
+    python tools/lab/calls_per_message.py one-hop|threads:N|fan-out:N|chain:N [--steps 200] [--top 25] [--by function|module]
         [--opcodes] [--zmq heartbeat_interval=50 --zmq peer_timeout=100 ...]
 """
 
@@ -139,6 +139,24 @@ def summary(counts: dict[str, int], steps: int) -> dict[str, float]:
     return {**found, "received": counts.get(RECEIVED, 0) / steps, "sent": counts.get(SENT, 0) / steps}
 
 
+def _run_steps(step, count: int, threads: int) -> None:
+    """``count`` steps, spread over ``threads`` driver threads running at once (threads:N)."""
+    if threads == 1:
+        for _ in range(count):
+            step()
+        return
+
+    def run(share: int) -> None:
+        for _ in range(share):
+            step()
+
+    workers = [threading.Thread(target=run, args=(count // threads + (i < count % threads),)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+
 def _group(rank: int, world: int, port: int, row: str, steps: int, opcodes: bool, results, zmq_options: dict) -> None:
     # Every thread the group starts from here on is counted (the endpoint's, the pool's).
     sys.setprofile(_counts.profile)
@@ -150,8 +168,6 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, opcodes: bool
     rpc, autograd = bench_scale._join(rank, world, "zmq", port)
     if rank == 0:
         step, threads, others = bench_scale.lab_row(row, rpc, autograd, world)
-        if threads != 1:
-            raise SystemExit("calls_per_message.py counts rows of one driver thread")
         for _ in range(20):
             step()
         for w in others:
@@ -159,8 +175,7 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, opcodes: bool
         _start()
         snapshots = []
         for count in (0, steps, 2 * steps):  # steps before each snapshot
-            for _ in range(count):
-                step()
+            _run_steps(step, count, threads)
             snapshots.append([_snapshot()] + [rpc.rpc_sync(w, _snapshot) for w in others])
         results.put([steps_of(*window) for window in zip(*snapshots)])
     rpc.shutdown()
@@ -170,7 +185,8 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, opcodes: bool
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("row", help="one-hop, fan-out:N (world N) or chain:N (N processes)")
+    parser.add_argument("row", help="one-hop, threads:N (one-hop steps from N driver threads at once), "
+                                    "fan-out:N (world N) or chain:N (N processes)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=25, help="functions (or modules) shown per process")
     parser.add_argument("--by", choices=["function", "module"], default="function")
