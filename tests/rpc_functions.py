@@ -179,6 +179,13 @@ def pool_thread_count():
     return api._agent.pool.thread_count
 
 
+def pool_stall_starts():
+    """Threads this worker's pool started only after a stall (its watchdog)."""
+    from zmqautograd.rpc import api
+
+    return api._agent.pool.stall_starts
+
+
 class Counter:
     def __init__(self, start=0):
         self.value = start

@@ -359,6 +359,20 @@ def test_nested_calls_do_not_deadlock_when_every_pool_thread_waits(group):
     assert [fut.wait() for fut in futures] == ["worker1"] * 12
 
 
+def test_a_chain_of_nested_calls_deeper_than_the_pools_gets_threads_without_stalls(group):
+    """Each worker has 4 pool threads; a chain of depth 48 through the 4 workers holds 12 of
+    them on each, waiting on nested calls. Each call of the chain reaches a worker whose
+    threads all wait so, and gets a thread at once: the watchdog, which would start one
+    after a stall of ``stall_after`` (0.5 s a call: 20 s for this chain), starts none."""
+    before = [rpc.rpc_sync(name, f.pool_stall_starts) if name != "worker0" else f.pool_stall_starts()
+              for name in group.names]
+    chain = rpc.rpc_sync("worker1", f.nested_chain, args=(group.names, 48))
+    assert chain == [group.names[(1 + i) % 4] for i in range(49)]
+    after = [rpc.rpc_sync(name, f.pool_stall_starts) if name != "worker0" else f.pool_stall_starts()
+             for name in group.names]
+    assert after == before
+
+
 def test_errors_for_unknown_workers_and_bad_arguments(group):
     # torch's words ("could not find destination") and, for a worker that no name, id or
     # WorkerInfo names, torch's ValueError.

@@ -5,7 +5,9 @@ wait on nested RPCs, so a user function that itself makes RPCs never deadlocks, 
 thread is inside such a call (torch issue #23569):
 
 * ``blocking()`` marks a wait the library knows about (``rpc_sync`` inside a pool thread): a
-  replacement thread starts at once if work is queued.
+  replacement thread starts at once if work is queued, and work that arrives while it waits
+  gets a thread at once as well (threads in such waits do not count toward ``size``): a
+  chain of nested calls deeper than the pool (A calls B calls A ...) goes on without stalls.
 * a watchdog covers waits it cannot see (a user function calling ``Future.wait()``): if work
   has been queued with every thread busy and none finishing for ``stall_after`` seconds, it
   adds a thread.
@@ -131,11 +133,13 @@ class ElasticPool:
         self._idle = 0  # threads waiting for work
         self._waking = 0  # threads woken or started that have not looked at the queue yet
         self._running: dict[threading.Thread, float] = {}  # thread -> when it started its call
+        self._blocked = 0  # threads in blocking(): waiting on a nested call, not counted in ``size``
         self._watch_asleep = False  # the watchdog is in its long sleep
         self._last_progress = time.monotonic()
         self._closed = False
         self._serial = 0
         self.start_failures = 0  # threads the process could not start (_start_thread)
+        self.stall_starts = 0  # threads the watchdog started after a stall of stall_after
         self._start_failure_logged = -1e9
         self._receiver: Endpoint | None = None  # the endpoint an idle thread receives from (receive_while_idle)
         self._reader: threading.Thread | None = None  # the idle thread that receives
@@ -234,11 +238,13 @@ class ElasticPool:
         with self._lock:
             self._release_held_locked(me)  # what it held must not wait behind this wait
             self._running.pop(me, None)  # waiting, not making progress
+            self._blocked += 1
             self._dispatch_locked(time.monotonic(), grow_past_size=True)
         try:
             yield
         finally:
             with self._lock:
+                self._blocked -= 1
                 self._running[me] = time.monotonic()
 
     @property
@@ -286,7 +292,11 @@ class ElasticPool:
             self._waking += 1
             self._reader_waiter.wake()
             return True
-        if len(self._threads) < (self.max_threads if grow_past_size else self.size) and self._start_thread():
+        # Threads waiting on nested calls (blocking()) do not count: work that arrives while
+        # they wait (the nested calls of a chain deeper than the pool, coming back) gets a
+        # thread at once, not after the watchdog's stall_after.
+        limit = self.max_threads if grow_past_size else min(self.max_threads, self.size + self._blocked)
+        if len(self._threads) < limit and self._start_thread():
             return True
         self._watch_soon_locked()
         return False
@@ -420,7 +430,8 @@ class ElasticPool:
                     ):
                         # Every thread busy and none finishing: some wait on something we
                         # cannot see. Another thread keeps the queue moving.
-                        self._start_thread()
+                        if self._start_thread():
+                            self.stall_starts += 1
                         self._last_progress = now
                     self._watch_wakeup.wait(self.handoff)
                 else:
