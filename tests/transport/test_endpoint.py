@@ -419,6 +419,34 @@ def test_a_peer_that_does_not_connect_while_descriptors_ran_out_says_so():
         endpoint.close()
 
 
+_HARD_LIMIT_PROGRAM = """
+import logging, resource, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+resource.setrlimit(resource.RLIMIT_NOFILE, (100, 200))  # a hard limit too low for 1 peer's room
+from zmqautograd.transport.endpoint import Endpoint
+endpoint = Endpoint("low-hard-limit")
+for peer in ("a", "b"):
+    endpoint.expect(peer)
+print("soft limit", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+endpoint.close()
+"""
+
+
+def test_a_hard_open_file_limit_too_low_for_the_peers_is_raised_to_and_named_once():
+    """The soft limit goes up to the hard one, and the warning says what to change, once."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _HARD_LIMIT_PROGRAM], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "INFO raised the open-file limit from 100 to 200 descriptors for 1 peers" in lines, lines
+    warnings = [line for line in lines if line.startswith("WARNING") and "hard limit" in line]
+    assert len(warnings) == 1 and "at most 200 files (its hard limit)" in warnings[0] and "ulimit -n" in warnings[0]
+    assert "soft limit 200" in lines
+
+
 def _wake_after_sending(client, seqs: range, errors: list, go_on: threading.Event | None = None) -> threading.Thread:
     """A thread that sends ``seqs`` and then wakes the I/O thread as if it slept (a sender
     wakes it when its message queued or input waits: here every time); then it waits for
