@@ -287,3 +287,28 @@ class FailingBackward(torch.autograd.Function):
 
 def failing_stage(name: str, x: torch.Tensor) -> torch.Tensor:
     return FailingBackward.apply(run_stage(name, x))
+
+
+_held_backward = threading.Event()
+
+
+class HeldBackward(torch.autograd.Function):
+    """Identity whose backward waits until :func:`release_backward` (at most 30 s)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _held_backward.wait(30)
+        return grad
+
+
+def held(x: torch.Tensor) -> torch.Tensor:
+    _held_backward.clear()
+    return HeldBackward.apply(x * 2)
+
+
+def release_backward() -> None:
+    _held_backward.set()

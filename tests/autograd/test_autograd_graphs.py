@@ -13,6 +13,7 @@ import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
 
 from tests import autograd_functions as af
+from tests.conftest import poll_until
 from tests.rpc_harness import Group
 
 pytestmark = pytest.mark.timeout(120)
@@ -733,3 +734,41 @@ def test_a_send_function_still_being_recorded_is_waited_for():
     context.send_recorded(8)
     with pytest.raises(RuntimeError, match="Could not find send function for autograd message id: 8"):
         context.send_function(8)
+
+
+def test_a_second_backward_on_a_context_whose_pass_runs_fails_the_first_saying_why(group):
+    """A context runs one backward pass at a time on each worker (torch's engine asserts
+    so); a second one started meanwhile supersedes the first, whose backward() raises, and
+    says that concurrent passes need contexts of their own."""
+    import threading
+
+    from zmqautograd.autograd import api
+
+    x = torch.ones(3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("worker1", af.held, args=(x,)).sum()
+        outcomes: dict = {}
+
+        def backward(which: str) -> None:
+            try:
+                dist_autograd.backward(context_id, [loss], retain_graph=True)
+                outcomes[which] = None
+            except RuntimeError as exc:
+                outcomes[which] = exc
+
+        first = threading.Thread(target=backward, args=("first",))
+        second = threading.Thread(target=backward, args=("second",))
+        first.start()
+        try:
+            # Its gradients are held on worker1 until released: the pass runs meanwhile.
+            poll_until(lambda: api._running, what="the first pass to start")
+            second.start()
+            first.join(20)
+            assert "first" in outcomes, "the first pass was not failed when the second began"
+        finally:
+            rpc.rpc_sync("worker1", af.release_backward)
+            first.join(30)
+            second.join(60)
+    error = str(outcomes["first"])
+    assert "was superseded by pass" in error and "one backward pass at a time" in error, error
+    assert "contexts of their own" in error

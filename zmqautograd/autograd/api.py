@@ -169,7 +169,8 @@ def _start_pass(agent: AgentPort, ctx: DistAutogradContext, pass_id: int, retain
     with _pass_lock:
         stale, ctx.current_pass = ctx.current_pass, run
     if stale is not None:
-        stale.fail(RpcError(f"backward pass {stale.pass_id} was superseded by pass {pass_id}"))
+        stale.fail(RpcError(f"backward pass {stale.pass_id} was superseded by pass {pass_id}: a context runs "
+                            "one backward pass at a time on each worker (passes at once need contexts of their own)"))
 
     def finished(_: Any) -> None:
         if home:
