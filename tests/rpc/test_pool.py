@@ -106,6 +106,59 @@ def test_blocking_starts_a_replacement_at_once():
     assert outcome == [True]
 
 
+def test_work_that_arrives_while_threads_wait_in_blocking_gets_a_thread_at_once():
+    """Work queued after a thread began a known wait (the next call of a nested chain comes
+    back later) gets a thread at once too: threads in ``blocking()`` do not count toward the
+    pool's size. Before, it waited for the watchdog (``stall_after``)."""
+    pool = ElasticPool(1, "test-blocking-later", stall_after=60)  # the watchdog would be too late
+    waiting = threading.Event()
+    inner_ran = threading.Event()
+    outcome: list[bool] = []
+
+    def outer() -> None:
+        with pool.blocking():
+            waiting.set()
+            outcome.append(inner_ran.wait(10))
+
+    try:
+        pool.submit(outer)
+        assert waiting.wait(10)
+        pool.submit(inner_ran.set)  # arrives while the only thread waits
+        assert inner_ran.wait(10)
+    finally:
+        pool.shutdown(timeout=10)
+    assert outcome == [True] and pool.stall_starts == 0
+
+
+def test_a_pool_at_max_threads_all_waiting_on_nested_calls_says_so(caplog):
+    """At ``max_threads`` with every thread in a nested wait, queued work cannot start: the
+    pool says why (once per 10 s), and the work runs once a wait ends."""
+    pool = ElasticPool(1, "test-full", stall_after=60, max_threads=2)
+    release = threading.Event()
+    inner_ran = threading.Event()
+    blocked = threading.Barrier(3)
+
+    def outer() -> None:
+        with pool.blocking():
+            blocked.wait(10)
+            release.wait(10)
+
+    try:
+        pool.submit(outer)
+        pool.submit(outer)
+        blocked.wait(10)  # both threads wait on "nested calls"
+        with caplog.at_level("WARNING", logger="zmqautograd.rpc.pool"):
+            pool.submit(inner_ran.set)
+        assert not inner_ran.is_set()
+        said = [r.getMessage() for r in caplog.records if "max_threads" in r.getMessage()]
+        assert said and "has all its 2 threads (max_threads), 2 of them waiting on nested calls" in said[0]
+        release.set()
+        assert inner_ran.wait(10)
+    finally:
+        release.set()
+        pool.shutdown(timeout=10)
+
+
 def test_a_failing_call_does_not_cost_a_thread(pool):
     def fail() -> None:
         raise ValueError("boom")

@@ -141,6 +141,7 @@ class ElasticPool:
         self.start_failures = 0  # threads the process could not start (_start_thread)
         self.stall_starts = 0  # threads the watchdog started after a stall of stall_after
         self._start_failure_logged = -1e9
+        self._full_logged = -1e9  # when the pool last said it had max_threads threads, all taken
         self._receiver: Endpoint | None = None  # the endpoint an idle thread receives from (receive_while_idle)
         self._reader: threading.Thread | None = None  # the idle thread that receives
         self._reader_waiter: AnyWaiter | None = None  # its Waiter, once it sleeps
@@ -298,6 +299,11 @@ class ElasticPool:
         limit = self.max_threads if grow_past_size else min(self.max_threads, self.size + self._blocked)
         if len(self._threads) < limit and self._start_thread():
             return True
+        if len(self._threads) >= self.max_threads and self._blocked and now - self._full_logged > 10:
+            self._full_logged = now
+            log.warning("pool %s has all its %d threads (max_threads), %d of them waiting on nested calls, and %d "
+                        "calls wait for one: a chain of nested calls deeper than that waits until a call returns "
+                        "or times out", self.name, len(self._threads), self._blocked, self._work.items)
         self._watch_soon_locked()
         return False
 
