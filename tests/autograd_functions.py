@@ -275,11 +275,15 @@ def sparse_rows(weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.embedding(torch.tensor([0, 2]), weight, sparse=True)
 
 
-class FailingBackward(torch.autograd.Function):
+class _Identity(torch.autograd.Function):
+    """An identity forward, for subclasses that give it a backward of their own."""
+
     @staticmethod
     def forward(ctx, x):
         return x.view_as(x)
 
+
+class FailingBackward(_Identity):
     @staticmethod
     def backward(ctx, grad):
         raise RuntimeError("this stage fails on purpose")
@@ -292,12 +296,8 @@ def failing_stage(name: str, x: torch.Tensor) -> torch.Tensor:
 _held_backward = threading.Event()
 
 
-class HeldBackward(torch.autograd.Function):
+class HeldBackward(_Identity):
     """Identity whose backward waits until :func:`release_backward` (at most 30 s)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
