@@ -34,6 +34,11 @@ RUNNING_LOW = 16  # descriptors left at which an error names the limit
 _warned_hard = False
 
 
+def room_for(peers: int) -> int:
+    """The open files an endpoint with ``peers`` peers may need."""
+    return BASE + PER_PEER * peers
+
+
 def make_room(peers: int) -> int:
     """Raise the soft limit on open files (never past the hard limit) to what an endpoint
     with ``peers`` peers may need; returns the soft limit then (a large number where there
@@ -41,7 +46,7 @@ def make_room(peers: int) -> int:
     global _warned_hard
     if resource is None:
         return 1 << 62
-    needed = BASE + PER_PEER * peers
+    needed = room_for(peers)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return 1 << 62 if soft == resource.RLIM_INFINITY else soft
@@ -62,9 +67,15 @@ def make_room(peers: int) -> int:
     return soft
 
 
+def explained(message: str) -> str:
+    """``message``, an error that running out of descriptors may have caused, with a
+    sentence on this process's descriptors where it has (nearly) none left."""
+    short = shortage()
+    return f"{message}; {short}" if short else message
+
+
 def shortage() -> str | None:
-    """A sentence on this process's descriptors where it has (nearly) none left, else None:
-    for errors that running out may have caused."""
+    """A sentence on this process's descriptors where it has (nearly) none left, else None."""
     if resource is None:
         return None
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]

@@ -279,7 +279,7 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         """A new peer's record (caller holds the lock), with room for its descriptors under
         the process's open-file limit (transport/descriptors.py)."""
         peers = len(self._peers) + 1
-        if descriptors.BASE + descriptors.PER_PEER * peers > self._open_file_room:
+        if descriptors.room_for(peers) > self._open_file_room:
             self._open_file_room = descriptors.make_room(peers)
         record = self._peers[peer] = _Peer(peer, state, address=address)
         self._stats.setdefault(peer, PeerStats())
@@ -293,9 +293,8 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
             raise UnknownPeerError(peer, f"{self.identity}: unknown peer {peer!r}")
         # (a lock wait refuses more than threading.TIMEOUT_MAX: longer is no limit)
         if not record.ready.wait(None if timeout is None or timeout >= threading.TIMEOUT_MAX else timeout):
-            short = descriptors.shortage()
-            raise TimeoutError(f"{self.identity}: peer {peer!r} did not connect within {timeout} s"
-                               + (f"; {short}" if short else ""))
+            raise TimeoutError(descriptors.explained(
+                f"{self.identity}: peer {peer!r} did not connect within {timeout} s"))
         if record.lost_error is not None:
             raise record.lost_error
 

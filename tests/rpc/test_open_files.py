@@ -45,12 +45,12 @@ def _worker(rank: int, init_method: str, results) -> None:
 
 @pytest.mark.timeout(240)
 def test_workers_whose_open_file_limit_is_too_low_raise_it_and_the_group_works():
-    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < descriptors.BASE + descriptors.PER_PEER * WORLD:
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < descriptors.room_for(WORLD):
         pytest.skip("the hard open-file limit here is too low to raise the soft one to")
     init_method = f"tcp://127.0.0.1:{free_port()}"
     results = sorted(spawn_and_collect(_worker, [(rank, init_method) for rank in range(WORLD)], timeout=180))
     for rank, answers, soft, records in results:
         assert answers == [[1.0 + peer] * 2 for peer in range(WORLD) if peer != rank], (rank, answers, records)
-        assert soft >= descriptors.BASE + descriptors.PER_PEER * (WORLD - 1)
+        assert soft >= descriptors.room_for(WORLD - 1)
         assert any(r.startswith("INFO raised the open-file limit from 48") for r in records), records
         assert not any(r.startswith("WARNING") for r in records), records

@@ -234,10 +234,9 @@ class Agent(Calling, Answers, Serving):
                 return
             except TimeoutError:
                 if time.monotonic() >= deadline:
-                    short = descriptors.shortage()
-                    raise RendezvousError(f"{self.info}: member {member.name} (rank {member.rank}) of the group "
-                                          f"did not connect within {timeout} s" + (f"; {short}" if short else "")
-                                          ) from None
+                    raise RendezvousError(descriptors.explained(
+                        f"{self.info}: member {member.name} (rank {member.rank}) of the group "
+                        f"did not connect within {timeout} s")) from None
 
     # ------------------------------------------------------------------ dynamic groups
 
