@@ -364,13 +364,13 @@ def test_a_chain_of_nested_calls_deeper_than_the_pools_gets_threads_without_stal
     them on each, waiting on nested calls. Each call of the chain reaches a worker whose
     threads all wait so, and gets a thread at once: the watchdog, which would start one
     after a stall of ``stall_after`` (0.5 s a call: 20 s for this chain), starts none."""
-    before = [rpc.rpc_sync(name, f.pool_stall_starts) if name != "worker0" else f.pool_stall_starts()
-              for name in group.names]
+    def stall_starts() -> list[int]:
+        return [rpc.rpc_sync(name, f.pool_stall_starts) for name in group.names]
+
+    before = stall_starts()
     chain = rpc.rpc_sync("worker1", f.nested_chain, args=(group.names, 48))
     assert chain == [group.names[(1 + i) % 4] for i in range(49)]
-    after = [rpc.rpc_sync(name, f.pool_stall_starts) if name != "worker0" else f.pool_stall_starts()
-             for name in group.names]
-    assert after == before
+    assert stall_starts() == before
 
 
 def test_errors_for_unknown_workers_and_bad_arguments(group):

@@ -141,15 +141,14 @@ def summary(counts: dict[str, int], steps: int) -> dict[str, float]:
 
 def _run_steps(step, count: int, threads: int) -> None:
     """``count`` steps, spread over ``threads`` driver threads running at once (threads:N)."""
-    if threads == 1:
-        for _ in range(count):
-            step()
-        return
 
     def run(share: int) -> None:
         for _ in range(share):
             step()
 
+    if threads == 1:
+        run(count)
+        return
     workers = [threading.Thread(target=run, args=(count // threads + (i < count % threads),)) for i in range(threads)]
     for worker in workers:
         worker.start()
