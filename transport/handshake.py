@@ -177,7 +177,7 @@ class Handshake:
             self._send_to_peer(peer, message_id, frames, nbytes)
         if self._host_key is not None or self._shm_host is not None:
             self._offer_to_lend(record, hello)
-            self._offer_ring(record, hello)
+            self._note_ring_peer(record, hello)
         record.ready.set()
         return record
 

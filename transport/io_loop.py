@@ -531,6 +531,8 @@ class IoThread:
                 self._ring_started(record, envelope)
             return
         self._received += 1
+        if record.ring_due:
+            self._offer_ring(record)
         if self._on_envelope is not None and self._on_envelope(peer, envelope):
             return
         if self._inbox is not None:

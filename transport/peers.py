@@ -149,6 +149,9 @@ class _Peer:
     lent_bytes: int = 0  # of the buffers in ``lent``
     bell: socket.socket | None = None
     ring_pid: int | None = None  # its pid, from its HELLO: the process whose ring we map
+    # On our host, with rings on at both ends, and no ring made for it yet: we make one when
+    # its first message of the layers above comes through the socket (ring_protocol.py).
+    ring_due: bool = False
 
     def __post_init__(self) -> None:
         self.routing_id = self.name.encode()

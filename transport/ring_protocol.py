@@ -47,16 +47,26 @@ class RingProtocol:
         assert bell is not None and flags is not None, "a ring without the doorbell"
         return bell, flags
 
-    def _offer_ring(self: Endpoint, record: _Peer, hello: Any) -> None:
-        """A peer on our host (``hello``: its HELLO's payload): make the ring it will write to
-        us, and tell it where (with our flags and doorbell). It answers SHM_START, behind
-        everything it sent us through the socket."""
+    def _note_ring_peer(self: Endpoint, record: _Peer, hello: Any) -> None:
+        """A peer's HELLO (its payload): if it is a process of our host, we will make the ring
+        it writes to us once it has something to say (``_offer_ring``). Rings are made on
+        first use, not for every peer of the host: a peer that never sends us a call or an
+        answer (the workers of a fan-out, among themselves) costs no memory, and N workers
+        of one host that talk to one driver make 2(N - 1) rings, not N(N - 1)."""
         if self._shm_host is None or record.ring_in is not None:
             return
         info = hello.get("shm") if isinstance(hello, dict) else None
         if not isinstance(info, dict) or info.get("host") != self._shm_host or type(info.get("pid")) is not int:
             return
         record.ring_pid = info["pid"]  # the only process whose ring we will map
+        record.ring_due = True
+
+    def _offer_ring(self: Endpoint, record: _Peer) -> None:
+        """The first message of the layers above from a peer of our host came through the
+        socket (socket lock held): make the ring it will write to us, and tell it where (with
+        our flags and doorbell). It answers SHM_START, behind everything it sent us through
+        the socket."""
+        record.ring_due = False
         slots = self._ring_slots
         slot = slots.index(None) if None in slots else len(slots)
         if slot >= shm.Flags.SLOTS:

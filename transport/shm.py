@@ -113,25 +113,62 @@ def _map(fd: int, size: int) -> mmap.mmap:
 def memory_available() -> int | None:
     """Bytes this process may still take: the kernel's estimate (MemAvailable), or less
     where its cgroup (v2) sets a limit; None where neither can be read."""
-    found = None
+    found = _meminfo(b"MemAvailable:")
+    limit = _cgroup_limit()
+    if limit is not None:
+        try:
+            with open("/sys/fs/cgroup/memory.current", "rb") as current_file:
+                room = limit - int(current_file.read())
+            found = room if found is None else min(found, room)
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def memory_total() -> int | None:
+    """The memory this process's processes share: the host's (MemTotal), or its cgroup's
+    (v2) limit where lower; None where neither can be read."""
+    found = _meminfo(b"MemTotal:")
+    limit = _cgroup_limit()
+    if limit is not None:
+        found = limit if found is None else min(found, limit)
+    return found
+
+
+def _meminfo(key: bytes) -> int | None:
     try:
         with open("/proc/meminfo", "rb") as meminfo:
             for line in meminfo:
-                if line.startswith(b"MemAvailable:"):
-                    found = int(line.split()[1]) * 1024
-                    break
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
+    return None
+
+
+def _cgroup_limit() -> int | None:
     try:
         with open("/sys/fs/cgroup/memory.max", "rb") as limit_file:
             limit = limit_file.read().strip()
-        if limit != b"max":
-            with open("/sys/fs/cgroup/memory.current", "rb") as current_file:
-                room = int(limit) - int(current_file.read())
-            found = room if found is None else min(found, room)
+        return None if limit == b"max" else int(limit)
     except (OSError, ValueError):
-        pass
-    return found
+        return None
+
+
+def _check_room(size: int) -> None:
+    """Refuse (OSError ENOMEM) shared memory that would crowd the host: more than an eighth
+    of the memory still available (one big ring), or what would leave less than an eighth
+    of the total available (many rings: each is small, their sum is not)."""
+    available = memory_available()
+    if available is None:
+        return
+    if size > available // 8:
+        raise OSError(errno.ENOMEM, f"{size} bytes of shared memory would take more than an eighth of "
+                                    f"the {available} bytes still available")
+    total = memory_total()
+    if total is not None and available - size < total // 8:
+        raise OSError(errno.ENOMEM, f"{size} bytes of shared memory would leave less than an eighth of the "
+                                    f"memory ({total} bytes) available ({available} bytes are)")
 
 
 def _create_memfd(name: str, size: int, magic: bytes) -> tuple[mmap.mmap, int]:
@@ -145,13 +182,10 @@ def _create_memfd(name: str, size: int, magic: bytes) -> tuple[mmap.mmap, int]:
     to each peer (docs/performance.md). The price: a ring's memory is taken when it is made,
     not as traffic reaches it (``shm_ring`` bytes per direction and same-host peer).
 
-    Refused (OSError ENOMEM) beyond an eighth of the memory still available: shared memory
+    Refused (OSError ENOMEM) where it would crowd memory (``_check_room``): shared memory
     does not fail its allocation when memory runs out, the kernel's OOM killer ends a
     process instead (a 1 TiB ring killed its maker). The caller goes without a ring."""
-    available = memory_available()
-    if available is not None and size > available // 8:
-        raise OSError(errno.ENOMEM, f"{size} bytes of shared memory would take more than an eighth of "
-                                    f"the {available} bytes still available")
+    _check_room(size)
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)

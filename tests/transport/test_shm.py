@@ -202,11 +202,32 @@ def _paired(rings: bool = True, **options):
         a.wait_for_peer("b", 30)
         b.wait_for_peer("a", 30)
         if rings:
-            _wait_for(lambda: a.stats()["b"].shared_memory and b.stats()["a"].shared_memory)
+            _onto_rings(a, b)
         yield a, b, lost
     finally:
         a.close()
         b.close()
+
+
+def _onto_rings(hub: Endpoint, *others: Endpoint) -> None:
+    """Rings are made on first use: a message each way between ``hub`` and each of
+    ``others`` (received and checked), then wait until both sides write to their rings."""
+    for other in others:
+        hub.send(other.identity, Message(MessageType.PYTHON_CALL, 1, hub.identity, "ring, please"))
+        other.send(hub.identity, Message(MessageType.PYTHON_CALL, 1, other.identity, "ring, please"))
+    for endpoint in others:
+        assert endpoint.recv(30).payload == "ring, please"
+    for _ in others:
+        assert hub.recv(30).payload == "ring, please"
+    _wait_for(lambda: all(o.stats()[hub.identity].shared_memory and hub.stats()[o.identity].shared_memory
+                          for o in others))
+
+
+def _client_on_rings(client: Client, server) -> None:
+    """A call both ways (rings are made on first use), then wait until both use them."""
+    assert client.call({"op": "echo", "data": "ring, please"}) == "ring, please"
+    _wait_for(lambda: client.endpoint.stats()[server.identity].shared_memory)
+    _wait_for(lambda: client.call({"op": "stats"})["shared_memory"])
 
 
 def _mapped_rings() -> int:
@@ -284,8 +305,7 @@ def _star(count: int, **options):
         for spoke in spokes:
             spoke.wait_for_peer("hub", 30)
             hub.wait_for_peer(spoke.identity, 30)
-        _wait_for(lambda: all(s.stats()["hub"].shared_memory and hub.stats()[s.identity].shared_memory
-                              for s in spokes))
+        _onto_rings(hub, *spokes)
         yield hub, spokes
     finally:
         for endpoint in [hub, *spokes]:
@@ -389,7 +409,7 @@ def test_messages_to_a_same_host_peer_switch_to_shared_memory_in_order(server):
 def test_messages_larger_than_the_ring_stream_through_it(small_ring_server):
     client = Client(small_ring_server, identity="small-ring-client", shm_ring=4096, lend_min=0, spin=0.0)
     try:
-        _wait_for(lambda: client.endpoint.stats()[small_ring_server.identity].shared_memory)
+        _client_on_rings(client, small_ring_server)
         big = torch.randn(1 << 18)  # 1 MiB: 256 rings' worth, both ways
         ids = []
         for seq in range(200):
@@ -410,7 +430,7 @@ def test_sleeping_readers_are_woken_by_the_doorbell(small_ring_server):
     # spin=0 on both sides: every message finds its reader asleep, so each one needs a ring.
     client = Client(small_ring_server, identity="bell-client", spin=0.0)
     try:
-        _wait_for(lambda: client.endpoint.stats()[small_ring_server.identity].shared_memory)
+        _client_on_rings(client, small_ring_server)
         for seq in range(200):
             assert client.call({"op": "echo", "data": seq}) == seq
     finally:
@@ -433,8 +453,7 @@ def test_a_killed_peer_is_lost_and_its_ring_released():
     process = start_server("doomed-shm-server")
     client = Client(process, identity="survivor")
     try:
-        _wait_for(lambda: client.endpoint.stats()[process.identity].shared_memory)
-        _wait_for(lambda: client.call({"op": "stats"})["shared_memory"])
+        _client_on_rings(client, process)
         assert _mapped_rings() == before + 2  # ours, that it writes to, and its
         process.kill()
         _when, peer, error = client.lost.get(timeout=60)
@@ -548,6 +567,33 @@ def test_a_peer_whose_doorbell_cannot_be_reached_stays_on_the_socket(monkeypatch
         assert not a.stats()["b"].shared_memory and not b.stats()["a"].shared_memory
 
 
+def test_a_ring_is_made_when_its_writer_first_has_something_to_say():
+    # Peers of one host that never send each other a message (the workers of a fan-out,
+    # among themselves) cost no ring: heartbeats go on through the socket. The first
+    # message one way makes the ring for that way only.
+    before = _mapped_rings()
+    with _paired(rings=False, heartbeat_interval=0.05) as (a, b, _lost):
+        _wait_for(lambda: a.stats()["b"].heartbeats_received >= 3 and b.stats()["a"].heartbeats_received >= 3)
+        assert _mapped_rings() == before
+        assert not a.stats()["b"].shared_memory and not b.stats()["a"].shared_memory
+        for seq in range(100):
+            a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
+        assert [b.recv(30).payload for _ in range(100)] == list(range(100))
+        _wait_for(lambda: a.stats()["b"].shared_memory)
+        assert _mapped_rings() == before + 2  # made by b, mapped by a
+        assert not b.stats()["a"].shared_memory
+        b.send("a", Message(MessageType.PYTHON_RET, 1, "b", "back"))
+        assert a.recv(30).payload == "back"
+        _wait_for(lambda: b.stats()["a"].shared_memory)
+        assert _mapped_rings() == before + 4
+        for seq in range(100):  # and both ways through them, in order
+            a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
+            b.send("a", Message(MessageType.PYTHON_RET, seq + 1, "b", -seq))
+        assert [b.recv(30).payload for _ in range(100)] == list(range(100))
+        assert [a.recv(30).payload for _ in range(100)] == [-seq for seq in range(100)]
+    assert _mapped_rings() == before
+
+
 def test_a_ring_that_would_crowd_memory_is_not_made_and_the_peer_stays_on_the_socket(monkeypatch):
     # Shared memory does not fail its allocation when memory runs out: the kernel's OOM
     # killer ends a process instead (a 1 TiB ring killed the process that made it). With
@@ -563,11 +609,31 @@ def test_a_ring_that_would_crowd_memory_is_not_made_and_the_peer_stays_on_the_so
         for seq in range(200):
             a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
         assert [b.recv(30).payload for _ in range(200)] == list(range(200))
+        b.send("a", Message(MessageType.PYTHON_RET, 1, "b", "back"))
+        assert a.recv(30).payload == "back"
         assert not a.stats()["b"].shared_memory and not b.stats()["a"].shared_memory
     # And a ring beyond any use is refused with the options, before anything is made.
     with pytest.raises(ValueError, match="shm_ring must be 0 .off. or from 4096 to 1073741824 bytes"):
         EndpointOptions(shm_ring=1 << 40)
     assert EndpointOptions(shm_ring=1 << 30).shm_ring == 1 << 30
+
+
+def test_rings_never_take_the_memory_available_below_an_eighth_of_the_total(monkeypatch):
+    # Each ring is small, their sum is not (a ring per direction and pair of processes that
+    # talk, on one host): whatever each would take, the memory still available stays above
+    # an eighth of the total, and the rings beyond that are not made.
+    capacity = 1 << 20
+    total = 64 << 30
+    monkeypatch.setattr(shm, "memory_total", lambda: total)
+    monkeypatch.setattr(shm, "memory_available", lambda: total // 8 + capacity)  # less its header
+    with pytest.raises(OSError, match="would leave less than an eighth of the memory") as refused:
+        shm.Ring.create(capacity)
+    assert refused.value.errno == errno.ENOMEM
+    monkeypatch.setattr(shm, "memory_available", lambda: total // 8 + 2 * capacity)
+    shm.Ring.create(capacity).close()
+    assert shm.memory_total() == total  # and the real figures are read where this runs
+    monkeypatch.undo()
+    assert 0 < shm.memory_available() <= shm.memory_total()
 
 
 def _publish_and_watch(pid: int, ring_fd: int, flags_fd: int, capacity: int, seconds: float, result) -> None:
