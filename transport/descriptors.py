@@ -23,9 +23,10 @@ except ImportError:  # (Windows: no such limit to raise)
 
 log = logging.getLogger(__name__)
 
-# Descriptors a peer on the same host takes: its TCP connection, a pidfd, its doorbell
-# socket, and the mappings of two rings and its flags page (Python's mmap keeps a duplicate
-# of the descriptor it maps): 6 measured; a peer on another host, 1.
+# Descriptors a peer on the same host takes: its TCP connection, a pidfd, and once messages
+# flow (rings are made on first use) its doorbell socket and the mappings of two rings and
+# its flags page (Python's mmap keeps a duplicate of the descriptor it maps): 6 measured;
+# a peer on another host, 1. The room is for all peers talking at once.
 PER_PEER = 8
 # The rest of a process: torch, libzmq's sockets, waiting threads (two each), the user's.
 BASE = 256

@@ -110,6 +110,9 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
 
 
+_CGROUP = "/sys/fs/cgroup"  # this process's cgroup (v2), as a container sees it
+
+
 def memory_available() -> int | None:
     """Bytes this process may still take: the kernel's estimate (MemAvailable), or less
     where its cgroup (v2) sets a limit; None where neither can be read."""
@@ -117,8 +120,8 @@ def memory_available() -> int | None:
     limit = _cgroup_limit()
     if limit is not None:
         try:
-            with open("/sys/fs/cgroup/memory.current", "rb") as current_file:
-                room = limit - int(current_file.read())
+            with open(_CGROUP + "/memory.current", "rb") as current_file:
+                room = limit - int(current_file.read()) + _cgroup_inactive_file()
             found = room if found is None else min(found, room)
         except (OSError, ValueError):
             pass
@@ -148,11 +151,24 @@ def _meminfo(key: bytes) -> int | None:
 
 def _cgroup_limit() -> int | None:
     try:
-        with open("/sys/fs/cgroup/memory.max", "rb") as limit_file:
+        with open(_CGROUP + "/memory.max", "rb") as limit_file:
             limit = limit_file.read().strip()
         return None if limit == b"max" else int(limit)
     except (OSError, ValueError):
         return None
+
+
+def _cgroup_inactive_file() -> int:
+    """The cgroup's page cache not in use lately: counted in its use, given back under
+    pressure (as MemAvailable counts it available; so does Kubernetes' working set)."""
+    try:
+        with open(_CGROUP + "/memory.stat", "rb") as stat_file:
+            for line in stat_file:
+                if line.startswith(b"inactive_file "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _check_room(size: int) -> None:

@@ -636,6 +636,25 @@ def test_rings_never_take_the_memory_available_below_an_eighth_of_the_total(monk
     assert 0 < shm.memory_available() <= shm.memory_total()
 
 
+def test_a_cgroups_memory_limit_bounds_the_rings_and_its_idle_page_cache_counts_as_free(monkeypatch, tmp_path):
+    # In a container the cgroup's limit is the memory there is, and its use includes page
+    # cache that it gives back under pressure (what MemAvailable counts as available).
+    gib = 1 << 30
+    (tmp_path / "memory.max").write_text(f"{4 * gib}\n")
+    used = 4 * gib - 200 * (1 << 20)
+    (tmp_path / "memory.current").write_text(f"{used}\n")
+    (tmp_path / "memory.stat").write_text(f"anon 123\ninactive_file {gib}\nactive_file 7\n")
+    monkeypatch.setattr(shm, "_CGROUP", str(tmp_path))
+    assert shm.memory_total() == min(4 * gib, shm._meminfo(b"MemTotal:"))
+    assert shm.memory_available() == min(4 * gib - used + gib, shm._meminfo(b"MemAvailable:"))
+    (tmp_path / "memory.stat").write_text("anon 123\n")  # no idle cache: 200 MiB left of 4 GiB
+    assert shm.memory_available() == 4 * gib - used
+    with pytest.raises(OSError, match="would leave less than an eighth of the memory"):
+        shm.Ring.create(1 << 20)
+    (tmp_path / "memory.max").write_text("max\n")  # no limit: the host's figures
+    assert shm.memory_total() == shm._meminfo(b"MemTotal:")
+
+
 def _publish_and_watch(pid: int, ring_fd: int, flags_fd: int, capacity: int, seconds: float, result) -> None:
     """A writer in another process: publish small messages for ``seconds``, watching the
     reader's head and its spinning flag (which the reader keeps set); put how often the head
