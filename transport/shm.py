@@ -69,6 +69,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from . import memory
 from .errors import RemoteProtocolError
 
 DEFAULT_RING_BYTES = 1 << 20
@@ -110,78 +111,17 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
 
 
-_CGROUP = "/sys/fs/cgroup"  # this process's cgroup (v2), as a container sees it
-
-
-def memory_available() -> int | None:
-    """Bytes this process may still take: the kernel's estimate (MemAvailable), or less
-    where its cgroup (v2) sets a limit; None where neither can be read."""
-    found = _meminfo(b"MemAvailable:")
-    limit = _cgroup_limit()
-    if limit is not None:
-        try:
-            with open(_CGROUP + "/memory.current", "rb") as current_file:
-                room = limit - int(current_file.read()) + _cgroup_inactive_file()
-            found = room if found is None else min(found, room)
-        except (OSError, ValueError):
-            pass
-    return found
-
-
-def memory_total() -> int | None:
-    """The memory this process's processes share: the host's (MemTotal), or its cgroup's
-    (v2) limit where lower; None where neither can be read."""
-    found = _meminfo(b"MemTotal:")
-    limit = _cgroup_limit()
-    if limit is not None:
-        found = limit if found is None else min(found, limit)
-    return found
-
-
-def _meminfo(key: bytes) -> int | None:
-    try:
-        with open("/proc/meminfo", "rb") as meminfo:
-            for line in meminfo:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _cgroup_limit() -> int | None:
-    try:
-        with open(_CGROUP + "/memory.max", "rb") as limit_file:
-            limit = limit_file.read().strip()
-        return None if limit == b"max" else int(limit)
-    except (OSError, ValueError):
-        return None
-
-
-def _cgroup_inactive_file() -> int:
-    """The cgroup's page cache not in use lately: counted in its use, given back under
-    pressure (as MemAvailable counts it available; so does Kubernetes' working set)."""
-    try:
-        with open(_CGROUP + "/memory.stat", "rb") as stat_file:
-            for line in stat_file:
-                if line.startswith(b"inactive_file "):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
 def _check_room(size: int) -> None:
     """Refuse (OSError ENOMEM) shared memory that would crowd the host: more than an eighth
     of the memory still available (one big ring), or what would leave less than an eighth
     of the total available (many rings: each is small, their sum is not)."""
-    available = memory_available()
+    available = memory.available()
     if available is None:
         return
     if size > available // 8:
         raise OSError(errno.ENOMEM, f"{size} bytes of shared memory would take more than an eighth of "
                                     f"the {available} bytes still available")
-    total = memory_total()
+    total = memory.total()
     if total is not None and available - size < total // 8:
         raise OSError(errno.ENOMEM, f"{size} bytes of shared memory would leave less than an eighth of the "
                                     f"memory ({total} bytes) available ({available} bytes are)")

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zmqautograd.transport import Message, MessageType, PeerLostError
-from zmqautograd.transport import ring_protocol, shm, waiting
+from zmqautograd.transport import memory, ring_protocol, shm, waiting
 from zmqautograd.transport import waiter as transport_waiter
 from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 from zmqautograd.transport.errors import RemoteProtocolError
@@ -599,9 +599,9 @@ def test_a_ring_that_would_crowd_memory_is_not_made_and_the_peer_stays_on_the_so
     # killer ends a process instead (a 1 TiB ring killed the process that made it). With
     # less than eight rings' worth of memory available, no ring is made, and messages flow
     # through the socket, in order.
-    assert shm.memory_available() > 0  # (read from /proc/meminfo here)
+    assert memory.available() > 0  # (read from /proc/meminfo here)
     capacity = 1 << 20
-    monkeypatch.setattr(shm, "memory_available", lambda: 8 * capacity - 1)
+    monkeypatch.setattr(memory, "available", lambda: 8 * capacity - 1)
     with pytest.raises(OSError, match="more than an eighth") as refused:
         shm.Ring.create(capacity)
     assert refused.value.errno == errno.ENOMEM
@@ -624,35 +624,13 @@ def test_rings_never_take_the_memory_available_below_an_eighth_of_the_total(monk
     # an eighth of the total, and the rings beyond that are not made.
     capacity = 1 << 20
     total = 64 << 30
-    monkeypatch.setattr(shm, "memory_total", lambda: total)
-    monkeypatch.setattr(shm, "memory_available", lambda: total // 8 + capacity)  # less its header
+    monkeypatch.setattr(memory, "total", lambda: total)
+    monkeypatch.setattr(memory, "available", lambda: total // 8 + capacity)  # less its header
     with pytest.raises(OSError, match="would leave less than an eighth of the memory") as refused:
         shm.Ring.create(capacity)
     assert refused.value.errno == errno.ENOMEM
-    monkeypatch.setattr(shm, "memory_available", lambda: total // 8 + 2 * capacity)
+    monkeypatch.setattr(memory, "available", lambda: total // 8 + 2 * capacity)
     shm.Ring.create(capacity).close()
-    assert shm.memory_total() == total  # and the real figures are read where this runs
-    monkeypatch.undo()
-    assert 0 < shm.memory_available() <= shm.memory_total()
-
-
-def test_a_cgroups_memory_limit_bounds_the_rings_and_its_idle_page_cache_counts_as_free(monkeypatch, tmp_path):
-    # In a container the cgroup's limit is the memory there is, and its use includes page
-    # cache that it gives back under pressure (what MemAvailable counts as available).
-    gib = 1 << 30
-    (tmp_path / "memory.max").write_text(f"{4 * gib}\n")
-    used = 4 * gib - 200 * (1 << 20)
-    (tmp_path / "memory.current").write_text(f"{used}\n")
-    (tmp_path / "memory.stat").write_text(f"anon 123\ninactive_file {gib}\nactive_file 7\n")
-    monkeypatch.setattr(shm, "_CGROUP", str(tmp_path))
-    assert shm.memory_total() == min(4 * gib, shm._meminfo(b"MemTotal:"))
-    assert shm.memory_available() == min(4 * gib - used + gib, shm._meminfo(b"MemAvailable:"))
-    (tmp_path / "memory.stat").write_text("anon 123\n")  # no idle cache: 200 MiB left of 4 GiB
-    assert shm.memory_available() == 4 * gib - used
-    with pytest.raises(OSError, match="would leave less than an eighth of the memory"):
-        shm.Ring.create(1 << 20)
-    (tmp_path / "memory.max").write_text("max\n")  # no limit: the host's figures
-    assert shm.memory_total() == shm._meminfo(b"MemTotal:")
 
 
 def _publish_and_watch(pid: int, ring_fd: int, flags_fd: int, capacity: int, seconds: float, result) -> None:
