@@ -19,33 +19,31 @@ _V2 = ("memory.max", "memory.current", b"inactive_file ")
 _V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", b"total_inactive_file ")
 
 
-def available() -> int | None:
-    """Bytes this process may still take: the kernel's estimate (MemAvailable), or less
-    where a cgroup's limit less its use is lower; None where nothing can be read."""
-    found = _meminfo(b"MemAvailable:")
-    for _limit, room in _limits():
-        found = room if found is None else min(found, room)
-    return found
+def figures() -> tuple[int | None, int | None]:
+    """(available, total), read together. Available: bytes this process may still take,
+    the kernel's estimate (MemAvailable), or less where a cgroup's limit less its use is
+    lower. Total: the memory this process's processes share, the host's (MemTotal), or a
+    cgroup's limit where lower. None where nothing can be read."""
+    host = _meminfo()
+    available, total = host.get(b"MemAvailable:"), host.get(b"MemTotal:")
+    for limit, room in _limits():
+        available = room if available is None else min(available, room)
+        total = limit if total is None else min(total, limit)
+    return available, total
 
 
-def total() -> int | None:
-    """The memory this process's processes share: the host's (MemTotal), or a cgroup's
-    limit where lower; None where nothing can be read."""
-    found = _meminfo(b"MemTotal:")
-    for limit, _room in _limits():
-        found = limit if found is None else min(found, limit)
-    return found
-
-
-def _meminfo(key: bytes) -> int | None:
+def _meminfo() -> dict[bytes, int]:
+    """MemAvailable and MemTotal from /proc/meminfo, in bytes (those it has)."""
+    found = {}
     try:
         with open("/proc/meminfo", "rb") as meminfo:
             for line in meminfo:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
+                key = line.split(maxsplit=1)[0]
+                if key in (b"MemAvailable:", b"MemTotal:"):
+                    found[key] = int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
-    return None
+    return found
 
 
 def _limits() -> list[tuple[int, int]]:

@@ -53,7 +53,7 @@ class RingProtocol:
         first use, not for every peer of the host: a peer that never sends us a call or an
         answer (the workers of a fan-out, among themselves) costs no memory, and N workers
         of one host that talk to one driver make 2(N - 1) rings, not N(N - 1)."""
-        if self._shm_host is None or record.ring_in is not None:
+        if self._shm_host is None:
             return
         info = hello.get("shm") if isinstance(hello, dict) else None
         if not isinstance(info, dict) or info.get("host") != self._shm_host or type(info.get("pid")) is not int:

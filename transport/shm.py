@@ -115,13 +115,12 @@ def _check_room(size: int) -> None:
     """Refuse (OSError ENOMEM) shared memory that would crowd the host: more than an eighth
     of the memory still available (one big ring), or what would leave less than an eighth
     of the total available (many rings: each is small, their sum is not)."""
-    available = memory.available()
+    available, total = memory.figures()
     if available is None:
         return
     if size > available // 8:
         raise OSError(errno.ENOMEM, f"{size} bytes of shared memory would take more than an eighth of "
                                     f"the {available} bytes still available")
-    total = memory.total()
     if total is not None and available - size < total // 8:
         raise OSError(errno.ENOMEM, f"{size} bytes of shared memory would leave less than an eighth of the "
                                     f"memory ({total} bytes) available ({available} bytes are)")

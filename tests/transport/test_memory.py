@@ -10,12 +10,13 @@ import os
 import pytest
 
 from zmqautograd.transport import Message, MessageType, memory, shm
-from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
+
+from tests.transport.test_shm import _paired
 
 pytestmark = pytest.mark.timeout(120)
 
 MIB = 1 << 20
-HOST_TOTAL = memory._meminfo(b"MemTotal:")
+HOST_TOTAL = memory._meminfo()[b"MemTotal:"]
 HOST_AVAILABLE = 64 << 30  # (fixed, not read: the host's figure moves while a test runs)
 
 
@@ -28,8 +29,8 @@ def _tree(tmp_path, monkeypatch, self_lines: str, files: dict[str, str]) -> None
     (tmp_path / "self").write_text(self_lines)
     monkeypatch.setattr(memory, "ROOT", str(tmp_path))
     monkeypatch.setattr(memory, "SELF", str(tmp_path / "self"))
-    real = memory._meminfo
-    monkeypatch.setattr(memory, "_meminfo", lambda key: HOST_AVAILABLE if key == b"MemAvailable:" else real(key))
+    host = {**memory._meminfo(), b"MemAvailable:": HOST_AVAILABLE}
+    monkeypatch.setattr(memory, "_meminfo", lambda: host)
 
 
 def test_v2_limits_of_the_cgroup_and_its_ancestors_bound_what_is_available(tmp_path, monkeypatch):
@@ -44,11 +45,9 @@ def test_v2_limits_of_the_cgroup_and_its_ancestors_bound_what_is_available(tmp_p
         "jobs/job7/memory.stat": "anon 1\n",
     })
     # The parent binds: 1024 MiB, of which 900 used less 50 of idle page cache.
-    assert memory.total() == min(HOST_TOTAL, 1024 * MIB)
-    assert memory.available() == 174 * MIB
+    assert memory.figures() == (174 * MIB, min(HOST_TOTAL, 1024 * MIB))
     (tmp_path / "jobs/memory.max").write_text("max\n")
-    assert memory.total() == min(HOST_TOTAL, 2048 * MIB)
-    assert memory.available() == 1748 * MIB
+    assert memory.figures() == (1748 * MIB, min(HOST_TOTAL, 2048 * MIB))
 
 
 def test_a_container_that_sees_its_own_cgroup_at_the_root_reads_it_there(tmp_path, monkeypatch):
@@ -58,8 +57,7 @@ def test_a_container_that_sees_its_own_cgroup_at_the_root_reads_it_there(tmp_pat
              "memory.stat": f"inactive_file {10 * MIB}\n"}
     for path in ("/", "/kubepods/burstable/pod1234/abcdef"):
         _tree(tmp_path, monkeypatch, f"0::{path}\n", files)
-        assert memory.total() == min(HOST_TOTAL, 512 * MIB)
-        assert memory.available() == 422 * MIB
+        assert memory.figures() == (422 * MIB, min(HOST_TOTAL, 512 * MIB))
 
 
 def test_v1_memory_limits_count_and_unlimited_ones_do_not(tmp_path, monkeypatch):
@@ -73,8 +71,8 @@ def test_v1_memory_limits_count_and_unlimited_ones_do_not(tmp_path, monkeypatch)
         "memory/box/inner/memory.limit_in_bytes": unlimited,
         "memory/box/inner/memory.usage_in_bytes": f"{150 * MIB}\n",
     })
-    assert memory.total() == min(HOST_TOTAL, 256 * MIB)
-    assert memory.available() == 64 * MIB  # hierarchical: the box's idle cache, its children's included
+    # Hierarchical: the box's idle cache, its children's included.
+    assert memory.figures() == (64 * MIB, min(HOST_TOTAL, 256 * MIB))
     # And a ring that would take more than an eighth of that is refused.
     with pytest.raises(OSError, match="more than an eighth"):
         shm.Ring.create(8 * MIB)
@@ -82,8 +80,7 @@ def test_v1_memory_limits_count_and_unlimited_ones_do_not(tmp_path, monkeypatch)
 
 def test_nothing_readable_means_the_hosts_figures(tmp_path, monkeypatch):
     _tree(tmp_path, monkeypatch, "garbage\n1:memory:/gone\n", {"memory/memory.limit_in_bytes": "not a number\n"})
-    assert memory.total() == HOST_TOTAL
-    assert memory.available() == HOST_AVAILABLE
+    assert memory.figures() == (HOST_AVAILABLE, HOST_TOTAL)
 
 
 # ------------------------------------------------------------- a real v1 memory cgroup
@@ -91,13 +88,8 @@ def test_nothing_readable_means_the_hosts_figures(tmp_path, monkeypatch):
 
 def _own_v1_memory_cgroup() -> str | None:
     """The folder of this process's v1 memory cgroup, where one may be made under it."""
-    with open("/proc/self/cgroup") as lines:
-        for line in lines:
-            _hierarchy, controllers, path = line.rstrip("\n").split(":", 2)
-            if "memory" in controllers.split(","):
-                folder = os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"))
-                return folder if os.path.isdir(folder) and os.access(folder, os.W_OK) else None
-    return None
+    folder = next((folder for folder, files in memory._cgroup_folders() if files is memory._V1), None)
+    return folder if folder is not None and os.access(folder, os.W_OK) else None
 
 
 def _in_a_small_cgroup(cgroup: str, limit: int, ring: int, results) -> None:
@@ -106,28 +98,20 @@ def _in_a_small_cgroup(cgroup: str, limit: int, ring: int, results) -> None:
     try:
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as procs:
             procs.write(str(os.getpid()))
-        found = {"total": memory.total(), "available": memory.available()}
+        available, total = memory.figures()
+        found = {"total": total, "available": available}
         try:
             shm.Ring.create(ring).close()
             found["refused"] = None
         except OSError as exc:
             found["refused"] = str(exc)
-        a = Endpoint("a", options=EndpointOptions(shm_ring=ring))
-        b = Endpoint("b", options=EndpointOptions(shm_ring=ring))
-        try:
-            a.connect("b", b.address)
-            b.expect("a")
-            a.wait_for_peer("b", 30)
-            b.wait_for_peer("a", 30)
+        with _paired(rings=False, shm_ring=ring) as (a, b, _lost):
             for seq in range(50):
                 a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
                 b.send("a", Message(MessageType.PYTHON_RET, seq + 1, "b", -seq))
             found["b got"] = [b.recv(30).payload for _ in range(50)]
             found["a got"] = [a.recv(30).payload for _ in range(50)]
             found["rings"] = a.stats()["b"].shared_memory or b.stats()["a"].shared_memory
-        finally:
-            a.close()
-            b.close()
         results.put(found)
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         results.put(repr(exc))

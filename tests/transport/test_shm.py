@@ -599,9 +599,9 @@ def test_a_ring_that_would_crowd_memory_is_not_made_and_the_peer_stays_on_the_so
     # killer ends a process instead (a 1 TiB ring killed the process that made it). With
     # less than eight rings' worth of memory available, no ring is made, and messages flow
     # through the socket, in order.
-    assert memory.available() > 0  # (read from /proc/meminfo here)
+    assert memory.figures()[0] > 0  # (read from /proc/meminfo here)
     capacity = 1 << 20
-    monkeypatch.setattr(memory, "available", lambda: 8 * capacity - 1)
+    monkeypatch.setattr(memory, "figures", lambda: (8 * capacity - 1, 64 << 30))
     with pytest.raises(OSError, match="more than an eighth") as refused:
         shm.Ring.create(capacity)
     assert refused.value.errno == errno.ENOMEM
@@ -624,12 +624,11 @@ def test_rings_never_take_the_memory_available_below_an_eighth_of_the_total(monk
     # an eighth of the total, and the rings beyond that are not made.
     capacity = 1 << 20
     total = 64 << 30
-    monkeypatch.setattr(memory, "total", lambda: total)
-    monkeypatch.setattr(memory, "available", lambda: total // 8 + capacity)  # less its header
+    monkeypatch.setattr(memory, "figures", lambda: (total // 8 + capacity, total))  # less its header
     with pytest.raises(OSError, match="would leave less than an eighth of the memory") as refused:
         shm.Ring.create(capacity)
     assert refused.value.errno == errno.ENOMEM
-    monkeypatch.setattr(memory, "available", lambda: total // 8 + 2 * capacity)
+    monkeypatch.setattr(memory, "figures", lambda: (total // 8 + 2 * capacity, total))
     shm.Ring.create(capacity).close()
 
 
