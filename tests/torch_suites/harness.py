@@ -100,9 +100,11 @@ class ForkserverWorkers(MultiProcessTestCase):
         super()._run(rank, test_name, file_name, parent_pipe, **kwargs)
 
     def _spawn_processes(self) -> None:
-        if "Cuda" in type(self).__name__:
+        if "Cuda" in type(self).__name__ and torch.cuda.is_available():
             # torch's test modules initialize CUDA when they are imported (common_utils), and
-            # a process forked after that cannot use it: spawned, as torch's own.
+            # a process forked after that cannot use it: spawned, as torch's own. Without a
+            # GPU, forked: their tests skip in the worker, and spawned workers would each
+            # import torch first (12 tests, 150 s on 2 cores, for nothing).
             self._start_processes(torch.multiprocessing.get_context("spawn").Process)
             return
         context = torch.multiprocessing.get_context("forkserver")
