@@ -18,10 +18,12 @@ import torch
 
 import zmqautograd.autograd as dist_autograd  # (before any init_rpc: its hooks join every agent)
 import zmqautograd.rpc as rpc
+from zmqautograd.transport import shm
 
 from tests import rpc_functions as f
 from tests.conftest import poll_until
 from tests.rpc_harness import free_port
+from tests.transport.test_shm import _mapped_rings
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,6 +58,10 @@ def _member(rank: int, name: str, init_method: str, commands, results, secret: s
 
 def _names() -> list[str]:
     return sorted(info.name for info in rpc._get_current_rpc_agent().get_worker_infos())
+
+
+def _through_shared_memory(peer: str) -> bool:
+    return rpc._get_current_rpc_agent().endpoint.through_shared_memory(peer)
 
 
 class _Cluster:
@@ -125,16 +131,29 @@ def test_workers_join_a_running_group_call_each_other_leave_and_come_back(cluste
     assert cluster.tell("w1", "w5") == ("w1", "called", "w5")
     assert torch.equal(rpc.rpc_sync(5, torch.add, args=(torch.ones(2), 1)), torch.full((2,), 2.0))
 
+    # Members of one host talk through shared-memory rings once they have talked (w1 and
+    # w0: a ring each way); one that leaves takes its rings along, one that comes back under
+    # its name gets new ones.
+    rings_here = shm.SUPPORTED  # (x86-64 Linux)
+    if rings_here:
+        poll_until(lambda: _through_shared_memory("1"), 30, "w0 writing to w1's ring")
+    rings = _mapped_rings()
     assert cluster.tell("w1", "leave") == ("w1", "left")
     poll_until(lambda: _names() == ["w0", "w5"], 30, "w1 gone from the group")
     with pytest.raises(RuntimeError, match="'w1': it left the group"):
         rpc.rpc_sync("w1", f.whoami)
     assert cluster.tell("w5", "w0") == ("w5", "called", "w0")
+    if rings_here:
+        poll_until(lambda: _mapped_rings() == rings - 2, 30, "w1's rings released")
 
     # The same name and rank again, in a new process.
     assert cluster.join(1, "w1") == ("w1", "joined", ["w0", "w1", "w5"])
     assert rpc.rpc_sync("w1", f.whoami) == "w1"
     assert cluster.tell("w5", "w1") == ("w5", "called", "w1")
+    assert cluster.tell("w1", "w0") == ("w1", "called", "w0")
+    if rings_here:
+        poll_until(lambda: _through_shared_memory("1"), 30, "w0 writing to the new w1's ring")
+        poll_until(lambda: _mapped_rings() == rings, 30, "the new w1's rings mapped")
 
 
 def test_a_taken_name_or_rank_is_refused_and_the_group_goes_on(cluster):
