@@ -73,6 +73,18 @@ class _Group:
         # _pass_through).
         self.pass_through: tuple | None = None
 
+    @classmethod
+    def of_part(cls, index: int, mask: int, part: "_Part") -> "_Group":
+        """The group of a part, for a plan whose roots share no node (Plan._disjoint_groups):
+        fed by no other group, feeding none, never stepwise. Its lists are the part's, which
+        are never changed (plans share them)."""
+        group = cls.__new__(cls)
+        group.index, group.mask, group.nodes = index, mask, part.nodes
+        group.captures, group.capture_edges, group.capture_leaves = part.captures, part.capture_edges, part.capture_leaves
+        group.feeders, group.feeds, group.recv_targets = set(), [], part.recv_targets
+        group.stepwise, group.pass_through = False, part.pass_through
+        return group
+
 class _Exit:
     """A leaf or recv function, and who must deliver to it before it is complete."""
 
@@ -98,37 +110,47 @@ class _Part:
         exits: dict[Any, bool] = {}  # exit node -> whether it is a leaf
         nodes: list = []
         seen: set = set()
-        successors: dict[Any, list] = {}
-        stack = [node for node, _ in edges]
+        captures: list = []  # edges leaving the group: all into exits (its nodes are its own)
+        captured: set = set()
+        stack: list = []
+        # The roots' own edges into exits are not captures (no node of the part leads there).
+        for node, _ in edges:
+            if node not in exits:
+                leaf = _exit_kind(node)
+                if leaf is None:
+                    stack.append(node)
+                else:
+                    exits[node] = leaf
+        # A node's edges are looked at when it is taken off the stack: exits are told apart
+        # there (a type test, inlined: this walk runs for every pass) and never stacked.
+        leaf_type, recv_type = _LEAF_TYPE, RECV_NODE_TYPE
         while stack:
             node = stack.pop()
-            if node in exits or node in seen:
-                continue
-            leaf = _exit_kind(node)
-            if leaf is not None:
-                exits[node] = leaf
+            if node in seen:
                 continue
             seen.add(node)
-            node_edges = [(n, slot) for n, slot in node.next_functions if n is not None]
-            successors[node] = node_edges
             nodes.append(node)
-            for target, _ in node_edges:
-                stack.append(target)
-        captures: list = []
-        captured: set = set()
-        for node in nodes:  # edges leaving the group: all into exits (its nodes are its own)
-            for edge in successors[node]:
-                if edge[0] in exits and edge not in captured:
-                    captured.add(edge)
-                    captures.append(edge)
+            for edge in node.next_functions:
+                target = edge[0]
+                if target is None:
+                    continue
+                kind = type(target)
+                if kind is leaf_type or kind is recv_type or (leaf_type is None and is_leaf_node(target)):
+                    exits[target] = kind is not recv_type
+                    if edge not in captured:
+                        captured.add(edge)
+                        captures.append(edge)
+                elif target not in seen:
+                    stack.append(target)
         self.nodes = nodes
         self.node_set = seen
         self.exits = exits
         self.captures = captures
-        self.capture_edges = tuple(GradientEdge(node, slot) for node, slot in captures)
-        self.capture_leaves = tuple(exits[node] for node, _ in captures)
-        self.recv_targets = list(dict.fromkeys(node for node, _ in captures if not exits[node]))
-        self.pass_through = _pass_through_slots(nodes, captures)
+        new_edge = tuple.__new__  # GradientEdge(node, slot), without its Python __new__
+        self.capture_edges = tuple([new_edge(GradientEdge, (node, slot, None)) for node, slot in captures])
+        self.capture_leaves = tuple([exits[node] for node, _ in captures])
+        self.recv_targets = list(dict.fromkeys([node for node, _ in captures if not exits[node]]))
+        self.pass_through = _pass_through_slots(nodes, captures) if len(nodes) == 1 else None
         # The dicts of its leaves' Python post hooks (functions.post_hooks_of).
         self.post_hooks = {node: hooks for node, leaf in exits.items() if leaf and (hooks := post_hooks_of(node)) is not None}
 
@@ -201,9 +223,10 @@ class Plan:
             if part is None or part.edges != tuple(edges):
                 part = parts[key] = _Part(edges)
             found.append(part)
-        reached = sum(len(part.nodes) for part in found)
-        if reached and len(set().union(*(part.node_set for part in found))) != reached:
-            return False  # shared: masks differ within a root's part
+        if len(found) > 1:
+            reached = sum([len(part.nodes) for part in found])
+            if reached and len(set().union(*[part.node_set for part in found])) != reached:
+                return False  # shared: masks differ within a root's part
         exits: dict[Any, _Exit] = {}
         leaves: set = set()
         groups: list[_Group] = []
@@ -215,20 +238,14 @@ class Plan:
                     exits[node] = _Exit(node)
                     if leaf:
                         leaves.add(node)
-            post_hooks.update(part.post_hooks)
+            if part.post_hooks:
+                post_hooks.update(part.post_hooks)
             if not part.nodes:
                 continue
             index = len(groups)
-            group = _Group(index, 1 << position)
-            group.nodes = part.nodes  # (a part's lists are never changed: plans share them)
-            group.captures = part.captures
-            group.capture_edges = part.capture_edges
-            group.capture_leaves = part.capture_leaves
-            group.recv_targets = part.recv_targets
-            group.pass_through = part.pass_through
+            group = _Group.of_part(index, 1 << position, part)
             groups.append(group)
-            for node in part.nodes:
-                group_of[node] = index
+            group_of.update(dict.fromkeys(part.nodes, index))
             for target, _ in part.captures:
                 exits[target].feeders.add(index)
         self.exits = exits
