@@ -56,6 +56,39 @@ def test_releases_added_to_a_waiting_batch_leave_with_it():
     assert send.sent == [(2, [1, 2, 3])]
 
 
+def test_one_timer_serves_the_batches_of_every_worker(monkeypatch):
+    # A context that reached 16 workers leaves 16 batches at each step's end; they ride on
+    # the next step's calls. One timer for them all: a timer each cost a heap entry, a
+    # cancellation and often a wake-up of the timer thread, per worker and step.
+    armed = []
+    call_later = timers.call_later
+    monkeypatch.setattr(timers, "call_later", lambda *args: armed.append(args) or call_later(*args))
+    send = _Recorder()
+    batcher = CleanupBatcher(delay=0.2)
+    for step in range(3):
+        for worker in range(16):
+            batcher.add(worker, [step], send)
+        assert len(armed) == 1
+        for worker in range(16):
+            assert batcher.take(worker) == (send, [step])
+    batcher.add(3, [99], send)  # one that does not ride leaves on its own, once
+    assert send.sent_one.wait(10)
+    assert send.sent == [(3, [99])]
+
+
+def test_a_batch_leaves_after_the_delay_it_was_added_with_even_when_that_was_cut():
+    # Tests and users change the delay at run time: an hour, then short again. A batch
+    # added after the cut must not wait for the timer armed for the hour.
+    send = _Recorder()
+    batcher = CleanupBatcher(delay=3600.0)
+    batcher.add(1, [1], send)
+    batcher.delay = 0.05
+    batcher.add(2, [2], send)
+    assert send.sent_one.wait(10)
+    assert send.sent == [(2, [2])]
+    assert batcher.take(1) == (send, [1])  # still waiting for its hour
+
+
 class _AgentWhoseCallsFail:
     """The parts of an agent ``_send_batch`` uses, failing every call with ``error``."""
 

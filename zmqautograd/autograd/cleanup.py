@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,21 +43,30 @@ Send = Callable[[int, list], None]  # send(worker, context_ids)
 
 
 class _Batch:
-    __slots__ = ("send", "ids", "timer")
+    __slots__ = ("send", "ids", "due")
 
-    def __init__(self, send: Send, ids: list[int]) -> None:
+    def __init__(self, send: Send, ids: list[int], due: float) -> None:
         self.send = send
         self.ids = ids
-        self.timer: timers.TimerHandle | None = None
+        self.due = due  # (monotonic) when it leaves as a request of its own, unless it rode
 
 
 class CleanupBatcher:
-    """Context ids to release on other workers, by worker."""
+    """Context ids to release on other workers, by worker.
+
+    One timer serves every batch (a timer per batch cost each step as many timers as the
+    workers a context reached, and woke the timer thread for each): it is due when the
+    oldest batch is, sends the batches that waited ``delay`` and waits again for the rest.
+    A batch that rode away leaves nothing behind, and a batch never leaves as a request of
+    its own before it waited its ``delay``."""
 
     def __init__(self, delay: float = DEFAULT_DELAY):
         self.delay = delay
         self._lock = threading.Lock()
         self._pending: dict[int, _Batch] = {}  # worker -> what waits for it
+        self._timer: timers.TimerHandle | None = None  # armed while batches wait
+        self._timer_due = 0.0  # what it was armed for: it fires then or up to timers' slack later
+        self._timer_serial = 0  # which arming is current (a replaced timer may be firing)
 
     def add(self, worker: int, context_ids: list[int], send: Send) -> None:
         """Release ``context_ids`` on ``worker`` with the next ride or batch (``send`` sends a
@@ -66,11 +76,17 @@ class CleanupBatcher:
             if batch is not None:
                 batch.ids.extend(context_ids)
                 return
-            batch = self._pending[worker] = _Batch(send, list(context_ids))
-        # Each batch has its own timer, which flushes that batch only: a batch that rode
-        # away must not leave a timer that later sends the next one (made after the ride,
-        # and due to ride on the next call) as a request of its own.
-        batch.timer = timers.call_later(self.delay, self._flush_worker, worker, batch)
+            due = time.monotonic() + self.delay
+            self._pending[worker] = _Batch(send, list(context_ids), due)
+            if self._timer is None or self._timer_due > due:  # (due sooner: the delay was cut)
+                self._arm_locked(due)
+
+    def _arm_locked(self, due: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_serial += 1
+        self._timer_due = due
+        self._timer = timers.call_later(due - time.monotonic(), self._flush_due, self._timer_serial)
 
     def take(self, worker: int) -> tuple[Send, list[int]] | None:
         """What waits for ``worker``, for a request about to leave for it to carry (give it
@@ -81,25 +97,32 @@ class CleanupBatcher:
             batch = self._pending.pop(worker, None)
         if batch is None:
             return None
-        if batch.timer is not None:  # (None: add has not armed it yet; it finds the batch gone)
-            batch.timer.cancel()
         return batch.send, batch.ids
 
     def flush(self) -> None:
         """Send every pending batch now."""
         with self._lock:
             pending, self._pending = self._pending, {}
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
         for worker, batch in pending.items():
-            if batch.timer is not None:
-                batch.timer.cancel()
             batch.send(worker, batch.ids)
 
-    def _flush_worker(self, worker: int, batch: _Batch) -> None:
+    def _flush_due(self, serial: int) -> None:
+        """On the timer thread: send the batches that waited their delay; arm again for the
+        first of the others."""
+        now = time.monotonic()
         with self._lock:
-            if self._pending.get(worker) is not batch:
-                return  # it rode on a call, or was flushed
-            del self._pending[worker]
-        batch.send(worker, batch.ids)
+            due = [(worker, batch) for worker, batch in self._pending.items() if batch.due <= now]
+            for worker, _ in due:
+                del self._pending[worker]
+            if serial == self._timer_serial:  # (else a timer armed since is in charge)
+                self._timer = None
+                if self._pending:
+                    self._arm_locked(min([batch.due for batch in self._pending.values()]))
+        for worker, batch in due:
+            batch.send(worker, batch.ids)
 
 
 def release_everywhere(agent: AgentPort, context: Any, skip: int = -1) -> None:
