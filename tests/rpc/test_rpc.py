@@ -20,6 +20,7 @@ import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
 
 from tests import rpc_functions as f
+from tests.conftest import poll_until
 from tests.rpc_harness import Group, free_port, spawn_and_collect
 
 pytestmark = pytest.mark.timeout(120)
@@ -229,9 +230,9 @@ def test_rpc_async_futures_and_wait_all(group):
 
 
 def test_answered_rpc_async_calls_leave_no_timeout_behind(group):
-    """Each rpc_async arms its timeout (60 s here); an answered call's is cancelled and
-    dropped, so 5,000 calls leave no more than a bounded number of timers (before: all 5,000,
-    each with its memory, until they came up a minute later)."""
+    """Each rpc_async's timeout (30 s here) waits until the call is answered, then goes: 5,000
+    calls leave no more than a bounded number of timers and queued deadlines (before: all
+    5,000 timers, each with its memory, until they came up a minute later)."""
     from zmqautograd import timers
 
     x = torch.zeros(2)
@@ -241,6 +242,41 @@ def test_answered_rpc_async_calls_leave_no_timeout_behind(group):
         live = [entry for entry in timers._timers._heap if entry[2].call is not None]
         held = len(timers._timers._heap)
     assert len(live) < 100 and held < 500, (len(live), held)
+    assert len(rpc._get_current_rpc_agent()._deadlines.queue) < 200
+
+
+def test_calls_of_one_timeout_time_out_in_order_under_one_timer(group, monkeypatch):
+    """Calls that share a timeout wait for it in one queue behind one timer (calls.py,
+    _CallDeadlines): a slow call at the front times out, so does one behind the calls
+    answered meanwhile, whose entries do not pile up; a call of another timeout gets a
+    timer of its own and times out too."""
+    from zmqautograd import timers
+
+    armed = []
+    call_later = timers.call_later
+    monkeypatch.setattr(timers, "call_later", lambda *args: armed.append(args[1]) or call_later(*args))
+    agent = rpc._get_current_rpc_agent()
+    previous = rpc._get_rpc_timeout()
+    rpc._set_rpc_timeout(1.5)
+    try:
+        first = rpc.rpc_async("worker1", f.sleep_and_return, args=(5,))
+        x = torch.zeros(2)
+        for _ in range(10):
+            torch.futures.wait_all([rpc.rpc_async("worker2", torch.add, args=(x, 1)) for _ in range(50)])
+        # Answered calls' entries are dropped before they outnumber twice the calls pending
+        # at once (51 at most here) and 64.
+        assert len(agent._deadlines.queue) <= 2 * 51 + 64 + 1
+        last = rpc.rpc_async("worker3", f.sleep_and_return, args=(5,))
+        other = rpc.rpc_async("worker3", f.sleep_and_return, args=(5,), timeout=0.5)
+        assert len([callback for callback in armed if callback == agent._deadlines._expire_due]) == 1
+        assert len([callback for callback in armed if callback == agent._expire]) == 1  # other's
+        for fut, ms in ((first, 1500), (last, 1500), (other, 500)):
+            with pytest.raises(RuntimeError, match=rf"RPC ran for more than set timeout \({ms} ms\)"):
+                fut.wait()
+    finally:
+        rpc._set_rpc_timeout(previous)
+    poll_until(lambda: not agent._deadlines.queue, 30, "the deadline queue emptied")
+    assert rpc.rpc_sync("worker1", f.sleep_and_return, args=(0, "ok")) == "ok"
 
 
 def test_rpc_async_answers_completed_by_the_io_thread_never_run_user_callbacks_there(group):

@@ -35,7 +35,7 @@ from zmqautograd.transport.tensors import adopt_torch_thread_settings
 
 from . import current
 from .answers import Answers
-from .calls import Calling, _Pending, _ReportSink
+from .calls import Calling, _CallDeadlines, _Pending, _ReportSink
 from .devices import DevicePlacement, Placement, decode_maps, encode_maps, validate_device_maps
 from .errors import RendezvousError, RpcError
 from .functions import answered_when_done
@@ -130,6 +130,9 @@ class Agent(Calling, Answers, Serving):
         self.pool.receive_while_idle(self.endpoint)
         self._lock = threading.Lock()
         self._pending: dict[int, _Pending] = {}
+        # Deadlines of pending calls that share one timeout, in order, under one timer
+        # (calls.py, "_CallDeadlines").
+        self._deadlines = _CallDeadlines()
         self._ids = itertools.count(1)
         self._sinks: dict[int, _ReportSink] = {}  # open report sinks by id (open_sink)
         self._all_done = threading.Condition(self._lock)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+from collections import deque
 from _thread import allocate_lock as _allocate_lock
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -156,6 +158,69 @@ class _Pending:
     timeout: float
     timer: timers.TimerHandle | None = None  # its timeout, cancelled once the call completes
 
+class _CallDeadlines:
+    """The timeouts of pending calls that share one (the agent's default, nearly always),
+    without a timer each. Their deadlines come in the order the calls are made, so they
+    wait in a queue behind one timer, due at the first: a timer per call cost a handle, a
+    heap entry and a cancellation. An answered call's entry stays until the timer finds it
+    at the front, or until the queue holds more than twice the pending calls (and 64): then
+    the answered calls' entries are dropped at once (amortised: each entry once). A call of
+    another timeout gets a timer of its own while calls of the queue's are pending. Used
+    under the agent's lock."""
+
+    __slots__ = ("timeout", "queue", "timer", "serial")
+
+    def __init__(self) -> None:
+        self.timeout = 0.0  # that of the calls queued
+        self.queue: deque[tuple[float, int]] = deque()  # (deadline, message id), in order
+        self.timer: timers.TimerHandle | None = None  # armed while the queue is not empty
+        self.serial = 0  # which timer is in charge (one replaced may still be firing)
+
+    def add(self, agent: Agent, message_id: int, timeout: float) -> bool:
+        """Queue the deadline of a call just made pending (caller holds the agent's lock);
+        False when the queue holds pending calls of another timeout."""
+        queue = self.queue
+        if queue and timeout != self.timeout:
+            pending = agent._pending
+            while queue and queue[0][1] not in pending:  # answered at the front
+                queue.popleft()
+            if queue:
+                return False
+        if not queue:
+            self.timeout = timeout
+            if self.timer is not None:  # (armed for an answered call: maybe later than this one)
+                self.timer.cancel()
+                self.timer = None
+        queue.append((time.monotonic() + timeout, message_id))
+        if len(queue) > 2 * len(agent._pending) + 64:  # answered calls' entries, mostly
+            pending = agent._pending
+            queue = self.queue = deque([entry for entry in queue if entry[1] in pending])
+        if self.timer is None:
+            self._arm(agent, queue[0][0] - time.monotonic())
+        return True
+
+    def _arm(self, agent: Agent, delay: float) -> None:
+        self.serial += 1
+        self.timer = timers.call_later(delay, self._expire_due, agent, self.serial)
+
+    def _expire_due(self, agent: Agent, serial: int) -> None:
+        """On the timer thread, at the first deadline: fail the calls whose deadline passed
+        and that are still pending; wait for the next deadline."""
+        now = time.monotonic()
+        expired = []
+        with agent._lock:
+            queue, pending = self.queue, agent._pending
+            while queue and (queue[0][0] <= now or queue[0][1] not in pending):
+                message_id = queue.popleft()[1]
+                if message_id in pending:
+                    expired.append(message_id)
+            if serial == self.serial:  # (else a timer armed since is in charge)
+                self.timer = None
+                if queue:
+                    self._arm(agent, queue[0][0] - now)
+        for message_id in expired:
+            agent._expire(message_id)
+
 class _RetriedCall:
     """The tries of one ``Agent.call_retrying``. A class, not closures that call each other:
     those would form reference cycles that only the cyclic collector frees."""
@@ -247,9 +312,10 @@ class Calling:
             self._pending[message_id] = pending
             if barrier:
                 self._barrier_ids.add(message_id)
+            queued = slot is None and timeout > 0 and self._deadlines.add(self, message_id, timeout)
         if slot is not None:
             slot.message_id = message_id  # its waiter times it out (call_sync)
-        elif timeout > 0:
+        elif timeout > 0 and not queued:
             # Cancelled when the call completes (_take); one that completes before the timer
             # is set here leaves a timer that fires, finds nothing, and is gone.
             pending.timer = timers.call_later(timeout, self._expire, message_id)
