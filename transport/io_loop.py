@@ -489,10 +489,20 @@ class IoThread:
             self._protocol_error(routing_id, peer, None, exc)
             return
         if self.faults is not None and self.faults.is_partitioned(peer):
-            # Injected partition: nothing gets through, heartbeats included; but releases of
-            # buffers we lent before it are applied, as dropping them would only leak those.
-            if envelope.type is MessageType.LEND_RELEASE and peer in self._peers:
-                self._lend_released(self._peers[peer], envelope)
+            # Injected partition: nothing gets through, heartbeats included; but what keeps
+            # the two ends' transport state in step is applied. Dropping the release of a
+            # buffer we lent would leak it; dropping the switch to a ring (a ring is made on
+            # a peer's first message, so a partition can come in the middle of it) would
+            # leave the peer writing to a ring we never read, after the partition healed too.
+            # (The messages that come through the ring are partitioned like the socket's.)
+            record, kind = self._peers.get(peer), envelope.type
+            if record is not None:
+                if kind is MessageType.LEND_RELEASE:
+                    self._lend_released(record, envelope)
+                elif kind is MessageType.SHM_OFFER:
+                    self._ring_offered(record, envelope)
+                elif kind is MessageType.SHM_START:
+                    self._ring_started(record, envelope)
             return
         record = self._peers.get(peer)
         if envelope.type is MessageType.HELLO:

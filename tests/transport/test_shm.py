@@ -594,6 +594,42 @@ def test_a_ring_is_made_when_its_writer_first_has_something_to_say():
     assert _mapped_rings() == before
 
 
+def test_a_partition_injected_while_a_ring_is_made_does_not_lose_what_comes_through_it_after():
+    # A ring is made on a peer's first message: a partition injected right then used to drop
+    # the peer's SHM_START, and the peer went on writing to a ring nobody read, after the
+    # partition healed too. (Found as a flake of the lending test of a partition.)
+    from zmqautograd.transport.faults import FaultPolicy
+
+    policy = FaultPolicy()
+    first = threading.Event()
+
+    def on_message(message: Message) -> None:
+        if message.id == 1:
+            policy.partition("b")  # the SHM_OFFER for b's ring is on its way; b's SHM_START not yet
+            first.set()
+        received.put(message.payload)
+
+    received: queue.SimpleQueue = queue.SimpleQueue()
+    a = Endpoint("a", faults=policy, on_message=on_message)
+    b = Endpoint("b")
+    try:
+        a.connect("b", b.address)
+        b.expect("a")
+        a.wait_for_peer("b", 30)
+        b.send("a", Message(MessageType.PYTHON_CALL, 1, "b", "first"))
+        assert first.wait(30)
+        _wait_for(lambda: b.stats()["a"].shared_memory)  # b writes to the ring now
+        assert received.get(timeout=30) == "first"
+        policy.heal("b")
+        for seq in range(3, 53):
+            b.send("a", Message(MessageType.PYTHON_CALL, seq, "b", seq))
+        assert [received.get(timeout=30) for _ in range(50)] == list(range(3, 53))
+        assert a.stats()["b"].shared_memory is False  # (a writes nothing to b)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_ring_that_would_crowd_memory_is_not_made_and_the_peer_stays_on_the_socket(monkeypatch):
     # Shared memory does not fail its allocation when memory runs out: the kernel's OOM
     # killer ends a process instead (a 1 TiB ring killed the process that made it). With
