@@ -469,6 +469,17 @@ class IoThread:
             self._handle_incoming(frames)
         return bool(router.get(_EVENTS) & _POLLIN)
 
+    def _apply_shared_state(self: Endpoint, record: _Peer, envelope: Envelope) -> None:
+        """The control messages that keep the two ends' shared state in step (a lent
+        buffer's release, a ring's offer and switch-over): applied in a partition too."""
+        kind = envelope.type
+        if kind is MessageType.LEND_RELEASE:
+            self._lend_released(record, envelope)
+        elif kind is MessageType.SHM_OFFER:
+            self._ring_offered(record, envelope)
+        elif kind is MessageType.SHM_START:
+            self._ring_started(record, envelope)
+
     def _handle_incoming(self: Endpoint, frames: list) -> None:
         """One received message: ``frames[0]`` is the sender's routing id (a zmq.Frame from the
         socket, bytes from a ring), the rest its frames."""
@@ -495,14 +506,9 @@ class IoThread:
             # a peer's first message, so a partition can come in the middle of it) would
             # leave the peer writing to a ring we never read, after the partition healed too.
             # (The messages that come through the ring are partitioned like the socket's.)
-            record, kind = self._peers.get(peer), envelope.type
+            record = self._peers.get(peer)
             if record is not None:
-                if kind is MessageType.LEND_RELEASE:
-                    self._lend_released(record, envelope)
-                elif kind is MessageType.SHM_OFFER:
-                    self._ring_offered(record, envelope)
-                elif kind is MessageType.SHM_START:
-                    self._ring_started(record, envelope)
+                self._apply_shared_state(record, envelope)
             return
         record = self._peers.get(peer)
         if envelope.type is MessageType.HELLO:
@@ -529,16 +535,12 @@ class IoThread:
                 self._peer_lost(peer, "the peer closed its endpoint", level=logging.INFO, kind=PeerDepartedError)
             elif kind is MessageType.PROTOCOL_ERROR:
                 self._to_dispatcher(self._peer_rejected, (peer, envelope))
-            elif kind is MessageType.LEND_RELEASE:
-                self._lend_released(record, envelope)
             elif kind is MessageType.LEND_OFFER:
                 self._lend_offered(record, envelope)
             elif kind is MessageType.LEND_READY:
                 record.lend = record.offer is not None  # it read what we offered it
-            elif kind is MessageType.SHM_OFFER:
-                self._ring_offered(record, envelope)
-            elif kind is MessageType.SHM_START:
-                self._ring_started(record, envelope)
+            else:
+                self._apply_shared_state(record, envelope)
             return
         self._received += 1
         if record.ring_due:

@@ -38,9 +38,9 @@ def _meminfo() -> dict[bytes, int]:
     try:
         with open("/proc/meminfo", "rb") as meminfo:
             for line in meminfo:
-                key = line.split(maxsplit=1)[0]
+                key, value = line.split()[:2]
                 if key in (b"MemAvailable:", b"MemTotal:"):
-                    found[key] = int(line.split()[1]) * 1024
+                    found[key] = int(value) * 1024
     except (OSError, ValueError):
         pass
     return found
