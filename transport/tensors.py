@@ -387,10 +387,12 @@ class TensorDecoder:
             # The memory first, then the view over it there: ``to`` of a strided view would
             # compact it (an expanded one to its full size).
             tensor = tensor.to(target)
+        # In place: a view would be a second tensor object over the first, each made and freed
+        # through torch ops that let the GIL go several times (a hand-over when threads wait).
         if strides is not None:
-            tensor = tensor.as_strided(shape, strides)
+            tensor.as_strided_(shape, strides)
         elif len(shape) != 1:
-            tensor = tensor.view(shape)
+            tensor.resize_(shape)  # (as many elements: the memory stays as it is)
         if requires_grad:
             tensor.requires_grad_(True)
         return tensor

@@ -388,21 +388,24 @@ def test_a_failing_leaf_post_hook_fails_the_pass_on_its_worker(group):
         assert len(rpc.rpc_sync("worker2", af.take_hook_calls, args=("f",))) == 2
 
 
-def test_received_tensors_become_recv_outputs_in_place_with_or_without_the_fast_swap(monkeypatch):
+def test_received_tensors_become_recv_outputs_in_place_or_by_a_swap(monkeypatch):
     """attach_recv_node keeps each received tensor object (the payload refers to it) and
-    gives it the recv function: through the fast swap for a fresh plain tensor, through
-    torch.utils.swap_tensors for one it cannot vouch for (one with attributes of its own
-    here, which swap_tensors moves). Both end up the same: same object, same values, the recv
-    function as grad_fn, in the graph."""
+    gives it the recv function: in place (the tensors are the node's outputs, marked dirty)
+    for distinct dense leaves that are no views, as the codec makes them, attributes of
+    their own included; by swapping in the contents of new outputs for others (a view
+    here). All end up the same: same object, same values, the recv function as grad_fn, in
+    the graph."""
     from zmqautograd.autograd import functions
 
-    fast = []
-    real_impl = functions._swap_impl
-    monkeypatch.setattr(functions, "_swap_impl", lambda a, b: (fast.append(a), real_impl(a, b)))
+    swapped = []
+    real_swap = functions._swap
+    monkeypatch.setattr(functions, "_swap", lambda a, b: (swapped.append(a), real_swap(a, b)))
     fresh = torch.arange(3.0).requires_grad_(True)
     tagged = torch.arange(3.0).requires_grad_(True)
     tagged.tag = "mine"
-    for tensor in (fresh, tagged):
+    view = torch.arange(6.0)[:3].requires_grad_(True)
+    assert view._is_view()
+    for tensor in (fresh, tagged, view):
         before = id(tensor)
         node, _ = functions.attach_recv_node([tensor], 1, 2, 3)
         assert id(tensor) == before and tensor.grad_fn is node and functions.is_recv_node(node)
@@ -410,7 +413,14 @@ def test_received_tensors_become_recv_outputs_in_place_with_or_without_the_fast_
         assert functions.recv_info(node).from_worker == 3
         (grad,) = torch.autograd.grad((tensor * 2).sum(), [tensor])
         assert torch.equal(grad, torch.full((3,), 2.0))
-    assert [id(t) for t in fast] == [id(fresh)]
+    assert tagged.tag == "mine"
+    assert [id(t) for t in swapped] == [id(view)]
+    # Several at once, in place: each its own slot of one node.
+    first, second = torch.ones(2).requires_grad_(True), torch.zeros(2, 2).requires_grad_(True)
+    node, _ = functions.attach_recv_node([first, second], 1, 4, 3)
+    assert first.grad_fn is node and second.grad_fn is node
+    assert (first.output_nr, second.output_nr) == (0, 1)
+    assert len(swapped) == 1
 
 
 def _plan_shape(plan) -> dict:

@@ -47,9 +47,11 @@ class SendRpc(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
-        if NODE_NEEDS_AN_OUTPUT:
-            return tuple([t.detach() for t in tensors]) + (torch.empty(0),)
-        return tuple(t.detach() for t in tensors)
+        # The outputs only give the node its slots (their shapes check the gradients that come
+        # back); nobody uses them. ``.data`` is an alias made without a torch op (``detach``
+        # is one, which lets the GIL go: a hand-over when threads wait for it).
+        outputs = tuple([t.data for t in tensors])
+        return outputs + (torch.empty(0),) if NODE_NEEDS_AN_OUTPUT else outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
@@ -62,19 +64,24 @@ class RecvRpc(torch.autograd.Function):
     captures the gradient flowing into it and sends it to ``from_worker``."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, info: RecvInfo, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, anchor: torch.Tensor, info: RecvInfo, in_place: bool,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
         ctx.recv_info = info
-        if NODE_NEEDS_AN_OUTPUT:
-            return tuple([t.detach() for t in tensors]) + (torch.empty(0),)
-        return tuple(t.detach() for t in tensors)
+        if in_place:
+            # The tensors themselves get the node as their grad_fn (attach_recv_node).
+            ctx.mark_dirty(*tensors)
+            outputs = tensors
+        else:
+            outputs = tuple([t.detach() for t in tensors])
+        return outputs + (torch.empty(0),) if NODE_NEEDS_AN_OUTPUT else outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         # Reached only by a *local* backward (tensor.backward()) through received tensors:
         # gradients stop at the RPC boundary there, as they would at any tensor that does
         # not require grad.
-        return (None, None) + tuple(None for _ in grads[: len(ctx.recv_info.metadata)])
+        return (None, None, None) + tuple(None for _ in grads[: len(ctx.recv_info.metadata)])
 
 
 def _node_outlives_its_outputs() -> bool:
@@ -298,12 +305,33 @@ def attach_recv_node(
     metadata = tuple([(t.shape, t.dtype, t.device, t.layout) for t in tensors])
     received: list = []
     info = RecvInfo(context_id, message_id, from_worker, metadata, in_response, received)
-    plain = [t.detach() for t in tensors]
-    outputs = RecvRpc.apply(_ANCHOR, info, *plain) if _functorch_active() else _recv_apply(_ANCHOR, info, *plain)
-    for tensor, output in zip(tensors, outputs):
-        _swap(tensor, output)
+    apply = RecvRpc.apply if _functorch_active() else _recv_apply
+    if _fresh(tensors):
+        # The usual case, tensors the codec just made: they become the node's outputs in
+        # place (marked dirty, as an in-place op's), no copies made, swapped and freed
+        # (each a torch op that lets the GIL go: a hand-over when threads wait for it).
+        for tensor in tensors:
+            tensor.requires_grad_(False)  # (a leaf that requires grad cannot be changed in place)
+        outputs = apply(_ANCHOR, info, True, *tensors)
+    else:
+        plain = [t.detach() for t in tensors]
+        outputs = apply(_ANCHOR, info, False, *plain)
+        for tensor, output in zip(tensors, outputs):
+            _swap(tensor, output)
     received.extend([_weak(t) for t in tensors])  # after the swap: its fast way needs no weak references
     return tensors[0].grad_fn, (outputs[-1] if NODE_NEEDS_AN_OUTPUT else None)
+
+
+def _fresh(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are distinct plain dense leaves that are no views (as the codec
+    makes them), which can become a recv function's outputs in place."""
+    for t in tensors:
+        if type(t) is not torch.Tensor or t.grad_fn is not None or t.layout is not _STRIDED_LAYOUT or t._is_view():
+            return False
+    return len(tensors) == 1 or len({id(t) for t in tensors}) == len(tensors)
+
+
+_STRIDED_LAYOUT = torch.strided
 
 
 _weak = weakref.ref
