@@ -223,6 +223,13 @@ class TensorEncoder:
             # Expanded first: _unexpanded keeps the layout of any of them (of a dense permutation
             # with a size-1 dim of stride 0 too), and most never have a dense span to look for.
             if expanded:
+                if data.is_cpu and not any(data.stride()):
+                    # One element repeated (a full sum's gradient, every backward's first): it
+                    # goes from where it lies, with no view made over it (a torch op, which
+                    # lets the GIL go: a hand-over when threads wait for it).
+                    nbytes = data.element_size()
+                    return self._entry(self._cpu_buffer(data, nbytes), name, shape, [0] * len(shape), nbytes, "cpu",
+                                       requires_grad)
                 data, strides = _unexpanded(data)
             elif _dense_span(data) is not None:
                 strides = list(data.stride())  # sent as it lies in memory, no copy on CPU
@@ -244,6 +251,11 @@ class TensorEncoder:
             buffer = self._stage_cuda(data.detach(), nbytes)
         else:
             raise LocalProtocolError(f"cannot send a tensor on device {data.device}")
+        return self._entry(buffer, name, shape, strides, nbytes, device, requires_grad)
+
+    def _entry(self, buffer: Buffer, name: str, shape: list, strides: list | None, nbytes: int, device: str,
+               requires_grad: bool) -> list:
+        """The descriptor of a dense tensor whose memory goes as ``buffer`` (the next frame)."""
         index = self._first + len(self.buffers)
         self.buffers.append(buffer)
         return [DENSE, name, shape, strides, index, nbytes, device, requires_grad]

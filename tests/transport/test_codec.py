@@ -321,6 +321,8 @@ def test_expanded_tensors_send_the_memory_they_repeat_once():
         "a transpose repeated": (base.t().unsqueeze(2).expand(8, 6, 3), 6 * 8 * 4),
         "a sliced expansion": (torch.arange(4.0).expand(3, 4)[:, 1:3], 2 * 4),
         "requiring grad": (torch.ones(1, requires_grad=True).expand(7), 4),
+        "an element inside its storage": (torch.arange(10.0)[7].expand(4, 5), 4),
+        "a double": (torch.tensor(2.5, dtype=torch.float64).expand(3), 8),
     }
     for what, (tensor, nbytes) in cases.items():
         got, frames = round_trip(tensor)

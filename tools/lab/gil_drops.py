@@ -8,12 +8,12 @@ a sleep and a wake-up, several microseconds of CPU. Unlike time, the count per s
 same from run to run on any machine. Waiting is switched to sleeping (``spin=0``): a
 spinning thread lets the GIL go on every look.
 
-``--where``: each drop in the driver is matched (by thread and time, on the monotonic clock
+``--where``: each drop in the driver (or ``--rank``) is matched (by thread and time, on the monotonic clock
 both share) to what that thread was running, from a profile function (``sys.setprofile``)
 that logs every call: the builtin (``c:``; a torch op, a lock) or the Python function
 (``py:``; a tensor freed there, a switch) it happened in, with the Python function around it.
 
-    python tools/lab/gil_drops.py one-hop|threads:N|fan-out:N|chain:N [--steps 300] [--where] [--top 30]
+    python tools/lab/gil_drops.py one-hop|threads:N|fan-out:N|chain:N [--steps 300] [--where [--rank R]] [--top 30]
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--where", action="store_true", help="where the driver's drops happen (slower)")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--rank", type=int, default=0, help="whose drops --where places (0: the driver)")
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--marks", help=argparse.SUPPRESS)
     parser.add_argument("--where-dir", help=argparse.SUPPRESS)
@@ -188,9 +189,11 @@ def main() -> None:
     library = os.path.join(sysconfig.get_config_var("LIBDIR") or "", sysconfig.get_config_var("LDLIBRARY") or "")
     if not os.path.exists(library):
         sys.exit(f"gil_drops.py needs a shared libpython ({library} is missing)")
-    subprocess.run(["perf", "probe", "-q", "-d", EVENT], capture_output=True)
-    subprocess.run(["perf", "probe", "-q", "-x", library, "--add", "probe_libpython:drop_gil=drop_gil"], check=True,
-                   capture_output=True)
+    listed = subprocess.run(["perf", "probe", "-l"], capture_output=True, text=True).stdout
+    added = EVENT not in listed  # (one that was there stays)
+    if added:
+        subprocess.run(["perf", "probe", "-q", "-x", library, "--add", "probe_libpython:drop_gil=drop_gil"],
+                       check=True, capture_output=True)
     with tempfile.TemporaryDirectory() as scratch:
         data, marks = os.path.join(scratch, "perf.data"), os.path.join(scratch, "marks")
         inner = [sys.executable, os.path.abspath(__file__), args.row, "--steps", str(args.steps), "--inner",
@@ -210,14 +213,15 @@ def main() -> None:
         if args.where:
             import pickle
 
-            driver = pids[-1]
-            with open(os.path.join(scratch, str(driver)), "rb") as source:
+            pid = pids[-1] if args.rank == 0 else pids[args.rank - 1]
+            with open(os.path.join(scratch, str(pid)), "rb") as source:
                 events = pickle.load(source)
-            counted = _where(events, drops.get(driver, []), *first)
-            print(f"worker0's drops by where they happened, per step (first window, {args.steps} steps, profiled):")
+            counted = _where(events, drops.get(pid, []), *first)
+            print(f"worker{args.rank}'s drops by where they happened, per step (first window, {args.steps} steps, profiled):")
             for name, count in counted.most_common(args.top):
                 print(f"  {count / args.steps:7.2f}  {name}")
-    subprocess.run(["perf", "probe", "-q", "-d", EVENT], capture_output=True)
+    if added:
+        subprocess.run(["perf", "probe", "-q", "-d", EVENT], capture_output=True)
 
 
 if __name__ == "__main__":
