@@ -205,6 +205,29 @@ def test_gil_handovers_names_what_gave_the_gil_up():
 
 
 @pytest.mark.timeout(60)
+def test_gil_drops_places_each_drop_in_what_its_thread_ran():
+    """tools/lab/gil_drops.py: a drop is placed by thread and time in the profile log: in a
+    builtin while one runs (with the Python function around it), else in the Python function
+    (a tensor freed there); drops outside the window are not counted."""
+    from tools.lab import gil_drops
+
+    events = [  # (ns, thread, name; None for a return)
+        (10, 1, "py:a.py:step"), (20, 1, "c:Tensor.view"), (30, 1, None), (40, 2, "py:b.py:serve"),
+        (50, 1, "py:a.py:inner"), (60, 1, None), (70, 2, None),
+    ]
+    drops = [(5, 1), (25, 1), (45, 2), (55, 1), (65, 1), (80, 1), (200, 1), (45, 3)]
+    counted = gil_drops._where(events, drops, 0, 100)
+    assert counted == {
+        "(outside the log)": 1,  # thread 1 before its first logged call
+        "c:Tensor.view  <  py:a.py:step": 1,
+        "py:b.py:serve": 1,
+        "py:a.py:inner": 1,
+        "py:a.py:step": 2,  # after the builtin and after inner returned
+        "(a thread that ran no Python while logged)": 1,
+    }
+
+
+@pytest.mark.timeout(60)
 def test_calls_per_message_takes_the_control_calls_out():
     """tools/lab/calls_per_message.py: N steps are the second window (2N steps) less the
     first (N): the calls that read the counts, alike in both, cancel out."""
