@@ -308,8 +308,8 @@ def attach_recv_node(
     apply = RecvRpc.apply if _functorch_active() else _recv_apply
     if _fresh(tensors):
         # The usual case, tensors the codec just made: they become the node's outputs in
-        # place (marked dirty, as an in-place op's), no copies made, swapped and freed
-        # (each a torch op that lets the GIL go: a hand-over when threads wait for it).
+        # place (marked dirty, as an in-place op's), with no new outputs made, swapped in and
+        # freed (torch ops that let the GIL go: a hand-over each when threads wait for it).
         for tensor in tensors:
             tensor.requires_grad_(False)  # (a leaf that requires grad cannot be changed in place)
         outputs = apply(_ANCHOR, info, True, *tensors)
