@@ -8,10 +8,11 @@ a sleep and a wake-up, several microseconds of CPU. Unlike time, the count per s
 same from run to run on any machine. Waiting is switched to sleeping (``spin=0``): a
 spinning thread lets the GIL go on every look.
 
-``--where``: each drop in the driver (or ``--rank``) is matched (by thread and time, on the monotonic clock
-both share) to what that thread was running, from a profile function (``sys.setprofile``)
-that logs every call: the builtin (``c:``; a torch op, a lock) or the Python function
-(``py:``; a tensor freed there, a switch) it happened in, with the Python function around it.
+``--where``: each drop in the driver (or ``--rank``) is matched (by thread and time, on the
+monotonic clock both share) to what that thread was running, from a profile function
+(``sys.setprofile``) that logs every call: the builtin (``c:``; a torch op, a lock) or the
+Python function (``py:``; a tensor freed there, a switch) it happened in, with the Python
+function around it.
 
     python tools/lab/gil_drops.py one-hop|threads:N|fan-out:N|chain:N [--steps 300] [--where [--rank R]] [--top 30]
 """
@@ -22,6 +23,7 @@ import argparse
 import bisect
 import collections
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -38,7 +40,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from tools import bench_scale, ports  # noqa: E402
 from tools.lab import next_result  # noqa: E402
-from tools.lab.calls_per_message import function_name  # noqa: E402
+from tools.lab.calls_per_message import _run_steps, function_name  # noqa: E402
 
 EVENT = "probe_libpython:drop_gil"
 
@@ -49,7 +51,6 @@ class _Log:
     def __init__(self) -> None:
         self.on = False
         self.events: list = []
-        self.window = (0, 0)
 
     def profile(self, frame: Any, event: str, arg: Any) -> None:
         if self.on:
@@ -75,8 +76,6 @@ def _start() -> int:
 def _stop(where: str) -> None:
     """The window's log, to ``where``/<pid> (read after the group exits)."""
     _log.on = False
-    import pickle
-
     with open(os.path.join(where, str(os.getpid())), "wb") as out:
         pickle.dump(_log.events, out)
 
@@ -95,12 +94,7 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, where: str | 
         for count in (steps, 2 * steps):  # two windows: their difference is `steps` steps
             pids = [rpc.rpc_sync(w, _start) for w in others] + [_start()]
             marks.append(time.monotonic_ns())
-            share = [count // threads + (i < count % threads) for i in range(threads)]
-            runners = [threading.Thread(target=lambda n=n: [step() for _ in range(n)]) for n in share]
-            for runner in runners:
-                runner.start()
-            for runner in runners:
-                runner.join()
+            _run_steps(step, count, threads)
             marks.append(time.monotonic_ns())
             if where is not None and count == steps:
                 for w in others:
@@ -211,8 +205,6 @@ def main() -> None:
             count = [bisect.bisect_left(times, end) - bisect.bisect_left(times, start) for start, end in (first, second)]
             print(f"  worker{rank}: {(count[1] - count[0]) / args.steps:7.1f}")
         if args.where:
-            import pickle
-
             pid = pids[-1] if args.rank == 0 else pids[args.rank - 1]
             with open(os.path.join(scratch, str(pid)), "rb") as source:
                 events = pickle.load(source)
