@@ -210,7 +210,8 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         self._waiters_read = not inline_handlers
         self._dispatcher_reads: bool = on_message is not None and executor is None and not inline_handlers
         self._reading_waiter: AnyWaiter | None = None  # the one watching the ROUTER (socket lock)
-        # Waits for an answer going on (wait_until, recv()): when each began (socket lock).
+        # Waits for an answer going on (wait_until, recv()): when each began (no lock, see
+        # WaitingThreads._take_reading_role).
         self._answer_waits: dict[object, float] = {}
         self._recv_waiters: set[AnyWaiter] = set()
 

@@ -19,7 +19,7 @@ thread only when that thread is not asleep (it then receives and hands over as b
 Correctness never depends on this order: whoever wakes receives under the socket lock, and
 whatever it receives goes where it belongs, with a wake-up for the thread that waits for it.
 When several threads wait for answers at once none of them reads, and the I/O thread receives
-for all (transport/waiting.py, ``_take_reading_role``).
+for all (transport/waiting.py, ``_take_reading_role``); they sleep on a lock (``Waiter.arm``).
 
 Without ``EPOLLEXCLUSIVE`` (not Linux, or Linux < 4.5) waiting threads never watch the ROUTER
 and only sleep on their wake-up descriptor; the I/O thread receives everything.
@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import select
-from _thread import allocate_lock, get_ident
+from _thread import LockType, allocate_lock, get_ident
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,12 @@ LONGEST_SLEEP = 3600.0
 def _milliseconds(timeout: float) -> int:
     """``select.poll``'s timeout for ``timeout`` seconds, rounded up (never sleeps short)."""
     return max(0, int(timeout * 1000 + 0.999))
+
+
+def _sleep_on(lock: LockType, timeout: float | None) -> None:
+    """Sleep until ``lock`` is released or ``timeout`` seconds pass. Returning with the lock
+    taken again is the reset: the next sleep waits for a new release."""
+    lock.acquire(timeout=-1 if timeout is None else max(0.0, min(timeout, LONGEST_SLEEP)))
 
 
 def _close_poller(poller: select.epoll | select.poll) -> None:
@@ -97,10 +103,18 @@ class Waiter:
     the descriptor readable, so the sleep returns at once.
     """
 
-    __slots__ = ("waiting", "sleeper", "reads", "spin_for", "_read_fd", "_write_fd", "_poller", "_epoll", "__weakref__")
+    __slots__ = ("waiting", "sleeper", "reads", "spin_for", "_read_fd", "_write_fd", "_poller", "_epoll",
+                 "_on_lock", "_asleep", "__weakref__")
 
     def __init__(self, reads: bool = False) -> None:
         self.waiting = False
+        # A wait that does not watch the ROUTER sleeps on a lock instead of its descriptor:
+        # released without letting the GIL go, taken with one drop, against a write, a poll
+        # and a read (three), each a chance for another thread to take the GIL (a hand-over
+        # when callers wait at once, as 16 driver threads do).
+        self._on_lock = False
+        self._asleep = allocate_lock()
+        self._asleep.acquire()
         self.sleeper = 0  # the thread that waits on it (set by whoever makes it wait)
         # How long this thread's next wait spins before it sleeps, learnt from its waits
         # (transport/waiting.py), by what it waits for: [an answer, work]. None: not yet.
@@ -131,12 +145,27 @@ class Waiter:
         except (OSError, ValueError):
             pass  # closed meanwhile (its thread is gone)
 
+    def arm(self, watching: bool) -> None:
+        """Begin a wait's last look at its condition: from here on, :meth:`wake` wakes it.
+        ``watching``: whether it watches the ROUTER (it sleeps on its descriptors), else it
+        sleeps on its lock. Fixed for the sleep that follows: only its own thread gives it
+        the ROUTER to watch; another thread that takes that away leaves it on descriptors
+        that its wake-up still reaches."""
+        self._on_lock = not watching
+        self.waiting = True
+
     def wake(self) -> None:
         """Wake the thread if it sleeps (any thread may call this, any number of times). The
         waiting thread itself, which completes what it waits for while it receives, needs no
         wake-up: it looks at its condition before it sleeps (saves a system call, and a
         spurious wake-up of its next wait)."""
         if self.waiting and self.sleeper != get_ident():
+            if self._on_lock:
+                try:
+                    self._asleep.release()
+                except RuntimeError:
+                    pass  # already woken
+                return
             try:
                 os.write(self._write_fd, _ONE)
             except (BlockingIOError, OSError):
@@ -148,8 +177,11 @@ class Waiter:
         return bool(self._poller.poll(0))
 
     def sleep(self, timeout: float | None) -> None:
-        """Sleep until woken, until the ROUTER has input (when it ``reads``), or ``timeout``
+        """Sleep until woken, until the ROUTER has input (when it watches it), or ``timeout``
         seconds; a wake-up that came before returns at once."""
+        if self._on_lock:
+            _sleep_on(self._asleep, timeout)
+            return
         if self._epoll:
             events = self._poller.poll(-1 if timeout is None else min(timeout, LONGEST_SLEEP))
         else:
@@ -182,6 +214,9 @@ class LockWaiter:
         self._asleep = allocate_lock()
         self._asleep.acquire()
 
+    def arm(self, watching: bool) -> None:
+        self.waiting = True
+
     def wake(self) -> None:
         if self.waiting:
             try:
@@ -190,8 +225,7 @@ class LockWaiter:
                 pass  # already woken
 
     def sleep(self, timeout: float | None) -> None:
-        # Returning with the lock taken again is the reset: the next sleep waits anew.
-        self._asleep.acquire(timeout=-1 if timeout is None else max(0.0, min(timeout, LONGEST_SLEEP)))
+        _sleep_on(self._asleep, timeout)
 
     def attach(self, router_fd: int) -> None:
         raise AssertionError("a LockWaiter never reads")

@@ -85,29 +85,44 @@ class WaitingThreads:
         answer. A reading caller would receive their answers too, wake them, and hand its
         role on when its own came, each a wake-up and a fight for the GIL (docs/performance.md,
         "Callers waiting at once"). A wait that began longer ago (a shutdown barrier, a long
-        call) is no loop of calls: it counts no more."""
-        with self._socket_lock:  # the descriptor is valid only while the ROUTER is open
-            token = None
-            callers = False
-            if not for_work:
-                now = time.monotonic()
-                waits = self._answer_waits
-                callers = any(now - began < _CALLERS_WINDOW for began in waits.values()) if waits else False
-                token = object()
-                waits[token] = now
+        call) is no loop of calls: it counts no more.
+
+        The waits are noted without the socket lock, which a thread that receives or sends
+        holds across system calls: under the GIL a dict's item is set or deleted at once, and
+        ``list`` copies its values at once. Where nothing is to change (callers wait and the
+        I/O thread reads already; this waiter reads already) the lock is not taken at all: a
+        caller that waited for it let the GIL go (a hand-over when callers wait at once).
+        Two waits that begin together each see the other: neither reads."""
+        token = None
+        callers = False
+        if not for_work:
+            now = time.monotonic()
+            waits = self._answer_waits
+            token = object()
+            waits[token] = now
+            if len(waits) > 1:
+                callers = sum(1 for began in list(waits.values()) if now - began < _CALLERS_WINDOW) > 1
+        reading = self._reading_waiter
+        if callers:
+            if reading is None:
+                return False, token
+        elif not waiter.reads:
+            return False, token
+        elif reading is waiter:
+            return True, token
+        with self._socket_lock:  # the descriptors are valid only while the ROUTER is open
             if not self._router_open:
                 return False, token
             if callers:
                 if self._reading_waiter is not None:
                     self._move_reading_role(None)  # the I/O thread, always behind, takes over
                 return False, token
-            if waiter.reads and self._reading_waiter is not waiter:
+            if self._reading_waiter is not waiter:
                 self._move_reading_role(waiter)
-            return waiter.reads, token
+            return True, token
 
     def _end_answer_wait(self: Endpoint, token: object) -> None:
-        with self._socket_lock:
-            del self._answer_waits[token]
+        del self._answer_waits[token]  # (no lock: see _take_reading_role)
 
     def _move_reading_role(self: Endpoint, waiter: AnyWaiter | None) -> None:
         """Watch the ROUTER with ``waiter`` (None: with none; the I/O thread, which always
@@ -152,7 +167,7 @@ class WaitingThreads:
                     if not reads:
                         learner = None
                         spin = 0.0
-                waiter.waiting = True  # from here on, whoever makes ready() true wakes us
+                waiter.arm(reads)  # from here on, whoever makes ready() true wakes us
                 if ready():
                     break
                 if learner is not None and watched_from is None and self._rings_in and not self._spinning:

@@ -96,15 +96,25 @@ def test_the_dispatcher_receives_what_it_delivers():
 
 
 @linux_only
-def test_threads_that_wait_for_answers_at_once_leave_the_receiving_to_the_io_thread():
+def test_threads_that_wait_for_answers_at_once_leave_the_receiving_to_the_io_thread(monkeypatch):
     """A caller alone receives its answers itself; callers waiting at once leave it to the I/O
     thread, which wakes each (a reading caller would receive and hand over the others'
-    answers); every answer arrives either way."""
+    answers), and they sleep on their locks, not on descriptors; every answer arrives either
+    way, and no wait stays noted."""
     received = ReceivingThreads()
     server, client = _echo_pair({}, {"on_envelope": received})
+    sleeps: list[tuple[str, bool]] = []  # (thread, on its lock)
+    sleep = transport_waiter.Waiter.sleep
+
+    def noted_sleep(self, timeout):
+        sleeps.append((threading.current_thread().name, self._on_lock))
+        sleep(self, timeout)
+
+    monkeypatch.setattr(transport_waiter.Waiter, "sleep", noted_sleep)
     try:
         _call_and_receive(client, range(50))  # warm: connected both ways
         received.names.clear()
+        sleeps.clear()
         replies: list = []
         callers = [threading.Thread(target=lambda n=n: replies.extend(_call_and_receive(client, range(n, 1000, 4))),
                                     name=f"caller-{n}") for n in range(4)]
@@ -114,6 +124,9 @@ def test_threads_that_wait_for_answers_at_once_leave_the_receiving_to_the_io_thr
             caller.join(60)
         assert sorted(replies) == list(range(1000))
         assert received.share(client._io_thread.name) > 0.5, received.names[:40]
+        callers_sleeps = [on_lock for name, on_lock in sleeps if name.startswith("caller-")]
+        assert sum(callers_sleeps) > len(callers_sleeps) / 2, sleeps[:40]
+        assert client._answer_waits == {}
 
         received.names.clear()
         assert _call_and_receive(client, range(300)) == list(range(300))
@@ -173,6 +186,42 @@ def test_without_epoll_exclusive_the_io_thread_receives_everything(monkeypatch):
     finally:
         client.close()
         server.close()
+
+
+@pytest.mark.parametrize("watching", [False, True], ids=["on its lock", "on its descriptors"])
+def test_a_waiter_is_woken_before_or_during_its_sleep_and_at_its_timeout(watching):
+    """A waiter that does not watch the ROUTER sleeps on its lock: its wake-up leaves its
+    descriptor untouched (no write, poll and read). Either way a wake-up that came before
+    the sleep ends it at once and is used up by it, one that comes during it ends it, and
+    without one the sleep ends at its timeout."""
+    waiter = transport_waiter.Waiter(reads=True)
+    try:
+        waiter.arm(watching)
+        waiter.wake()  # before the sleep
+        assert waiter.has_input() is watching
+        start = time.monotonic()
+        waiter.sleep(30)
+        assert time.monotonic() - start < 10
+        assert not waiter.has_input()
+        waiter.waiting = False
+
+        waiter.arm(watching)
+        waking = threading.Thread(target=waiter.wake)  # before or during the sleep
+        waking.start()
+        start = time.monotonic()
+        waiter.sleep(30)
+        assert time.monotonic() - start < 10
+        waking.join(10)
+        waiter.waiting = False
+
+        waiter.wake()  # not waiting: nothing to wake, nothing left for the next sleep
+        waiter.arm(watching)
+        start = time.monotonic()
+        waiter.sleep(0.2)
+        assert 0.15 < time.monotonic() - start < 10
+        waiter.waiting = False
+    finally:
+        waiter.close()
 
 
 def test_wait_until_returns_when_woken_or_at_its_timeout():
