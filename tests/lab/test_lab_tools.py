@@ -110,3 +110,42 @@ def test_phases_runs_the_one_hop_step():
     for row in rows:
         tp, ours, unit, ratio = row[24:].split()
         assert tp == "-" and ratio == "-" and unit == "us" and float(ours.replace(",", "")) > 0, row
+
+
+def test_ab_trees_reads_rows_and_pairs_each_launch_with_its_neighbour():
+    """tools/lab/ab_trees.py: lab rows become tools/bench_scale.py's, by the processes each
+    needs; bad rows are refused; the paired ratio is the median of B/A launch by launch
+    (not the ratio of the medians), with its quartiles and the pairs B won."""
+    from tools.lab import ab_trees
+
+    assert ab_trees.bench_rows("one-hop,threads:4,fan-out:8,chain:8,threads:16") == {
+        2: [("one hop", 1), ("threads", 4), ("threads", 16)], 8: [("fan-out", 8), ("chain", 8)]}
+    for bad in ("hop", "threads", "one-hop:2", "fan-out:x", "threads:4,"):
+        with pytest.raises(ValueError, match="is not a row"):
+            ab_trees.bench_rows(bad)
+    # B is half of A in the first launch and twice A in the second and third: the medians
+    # alone (A 2, B 4) would say 2.0.
+    assert ab_trees.paired([4.0, 1.0, 2.0], [2.0, 2.0, 4.0]) == (2.0, 0.5, 2.0, 1)
+    assert ab_trees.paired([1.0], [0.9]) == (0.9, 0.9, 0.9, 1)
+
+
+@pytest.mark.timeout(300)
+def test_ab_trees_runs_bench_scale_rows_in_both_trees():
+    """The same tree twice, two launches each of two rows: every row measured in both, with
+    its ratios and paired counts."""
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, os.path.join(root, "tools", "lab", "ab_trees.py"), root, root,
+                           "--rows", "one-hop,threads:2", "--launches", "2", "--steps", "20"],
+                          capture_output=True, text=True, timeout=280, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for row in ("one hop:1", "threads:2"):
+        line = re.search(rf"^{row}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+) \(([\d.]+)-([\d.]+)\)\s+(\d)/2 ",
+                         done.stdout, re.M)
+        assert line, done.stdout
+        a, b = float(line.group(1)), float(line.group(2))
+        assert a > 0 and b > 0 and abs(float(line.group(3)) - b / a) < 0.002
+        assert float(line.group(5)) <= float(line.group(4)) <= float(line.group(6))

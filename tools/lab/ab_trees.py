@@ -1,15 +1,21 @@
-"""A/B of two source trees in one run: the one-hop step and a small ``rpc_sync``.
+"""A/B of two source trees in one run: the one-hop step and a small ``rpc_sync``, or rows
+of tools/bench_scale.py (``--rows``).
 
 For a change that moves code rather than patching one switch (``ab_inlaunch.py`` flips a
 switch inside one launch), this runs both trees, launch by launch alternately (A B B A ...),
-each launch two fresh processes on loopback TCP. It reports per operation the median wall time
-per step and the CPU seconds per step summed over both processes (less noisy on a shared VM
-than wall time), and the ratios B/A.
+each launch fresh processes on loopback TCP. It reports per operation the median wall time
+per step and the CPU seconds per step summed over the processes (less noisy on a shared VM
+than wall time), and the ratios B/A: of the medians, and the median of each launch's B paired
+with the A launch beside it (drift of the machine cancels), with that ratio's quartiles and
+how many pairs B won. Where the quartiles straddle 1, the change is within the noise.
 
     python tools/lab/ab_trees.py TREE_A TREE_B [--launches 8] [--steps 2000]
+    python tools/lab/ab_trees.py TREE_A TREE_B --rows one-hop,threads:4,threads:16 [--launches 16] [--steps 400]
 
 A tree is a checkout of this repository (``git worktree add``) whose ``zmqautograd/transport``
-resolves (a symlink to ``../transport``), run with ``PYTHONPATH`` set to it.
+resolves (a symlink to ``../transport``), run with ``PYTHONPATH`` set to it. ``--rows`` takes
+the tools/lab rows (one-hop, threads:N, fan-out:N, chain:N), each run by that tree's
+tools/bench_scale.py as its table would (zmqautograd only).
 """
 
 from __future__ import annotations
@@ -69,6 +75,56 @@ def _step(name, rpc, dist_autograd, x, small) -> None:
         rpc.rpc_sync("w1", _add, args=(small, small))
 
 
+_BENCH_KINDS = {"one-hop": "one hop", "threads": "threads", "fan-out": "fan-out", "chain": "chain"}
+
+
+def bench_rows(spec: str) -> dict[int, list[tuple[str, int]]]:
+    """tools/lab rows ("one-hop,threads:4,fan-out:8") as tools/bench_scale.py's rows, by the
+    processes each needs."""
+    by_world: dict[int, list[tuple[str, int]]] = {}
+    for row in spec.split(","):
+        kind, _, value = row.partition(":")
+        if kind not in _BENCH_KINDS or (kind != "one-hop") != bool(value) or (value and not value.isdigit()):
+            raise ValueError(f"{row!r} is not a row (one-hop, threads:N, fan-out:N, chain:N)")
+        world = int(value) if kind in ("fan-out", "chain") else 2
+        by_world.setdefault(world, []).append((_BENCH_KINDS[kind], int(value) if value else 1))
+    return by_world
+
+
+def _launch_rows(spec: str, steps: int) -> None:
+    """One launch of ``--rows``, with this tree's tools/bench_scale.py (on PYTHONPATH)."""
+    from tools import bench_scale
+
+    results = {}
+    for world, rows in bench_rows(spec).items():
+        found = bench_scale.launch(world, "zmq", steps, rows)
+        results.update({f"{kind}:{value}": found[(kind, value)] for kind, value in rows})
+    print(json.dumps(results))
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float, float, int]:
+    """Launch i of B against launch i of A (run side by side): the median of the ratios B/A,
+    its lower and upper quartiles, and in how many pairs B was lower."""
+    ratios = sorted(y / x for x, y in zip(a, b))
+    n = len(ratios)
+    return statistics.median(ratios), ratios[n // 4], ratios[(3 * n) // 4 if n > 1 else 0], sum(r < 1 for r in ratios)
+
+
+def report(samples_a: dict[str, list], samples_b: dict[str, list]) -> None:
+    """Per operation: medians of A and B (wall time and CPU per step), their ratio, and the
+    paired ratios (see :func:`paired`)."""
+    print(f"{'operation':<12} {'A wall us':>10} {'B wall us':>10} {'B/A':>6} {'paired (quartiles)':>22} "
+          f"{'B won':>7}   {'A cpu us':>10} {'B cpu us':>10} {'B/A':>6} {'paired':>7}")
+    for name in samples_a:
+        a, b = samples_a[name], samples_b[name]
+        wa, wb = (statistics.median(s[0] for s in x) * 1e6 for x in (a, b))
+        ca, cb = (statistics.median(s[1] for s in x) * 1e6 for x in (a, b))
+        wall, low, high, won = paired([s[0] for s in a], [s[0] for s in b])
+        cpu = paired([s[1] for s in a], [s[1] for s in b])[0]
+        print(f"{name:<12} {wa:>10.1f} {wb:>10.1f} {wb / wa:>6.3f} {wall:>7.3f} ({low:.3f}-{high:.3f}) "
+              f"{won:>3}/{len(a):<3}   {ca:>10.1f} {cb:>10.1f} {cb / ca:>6.3f} {cpu:>7.3f}")
+
+
 def _launch(steps: int) -> None:
     import socket
 
@@ -91,34 +147,45 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("trees", nargs="*")
     parser.add_argument("--launches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=None, help="steps a launch (2000; with --rows 400)")
+    parser.add_argument("--rows", help="tools/bench_scale.py rows instead: one-hop,threads:N,fan-out:N,chain:N")
     parser.add_argument("--one-launch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    steps = args.steps or (400 if args.rows else 2000)
+    if args.rows:
+        try:
+            names = [f"{kind}:{value}" for rows in bench_rows(args.rows).values() for kind, value in rows]
+        except ValueError as exc:
+            parser.error(str(exc))
+    else:
+        names = list(OPERATIONS)
     if args.one_launch:
-        _launch(args.steps)
+        if args.rows:
+            _launch_rows(args.rows, steps)
+        else:
+            _launch(steps)
         return 0
     if len(args.trees) != 2:
         parser.error("give two trees")
-    samples: dict = {tree: {name: [] for name in OPERATIONS} for tree in args.trees}
+    trees = dict(zip("AB", args.trees))
+    samples: dict = {label: {name: [] for name in names} for label in trees}  # (the trees may be one)
     here = os.path.abspath(__file__)
     for launch in range(args.launches):
-        order = args.trees if launch % 2 == 0 else args.trees[::-1]
-        for tree in order:
+        for label in ("A", "B") if launch % 2 == 0 else ("B", "A"):
+            tree = trees[label]
             env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-            out = subprocess.run([sys.executable, here, "--one-launch", "--steps", str(args.steps)],
-                                 env=env, cwd=tree, capture_output=True, text=True, timeout=900, check=True)
+            command = [sys.executable, here, "--one-launch", "--steps", str(steps)]
+            out = subprocess.run(command + (["--rows", args.rows] if args.rows else []),
+                                 env=env, cwd=tree, capture_output=True, text=True, timeout=900)
+            if out.returncode != 0:
+                print(f"ab_trees: a launch of {tree} failed:\n{out.stderr[-3000:]}", file=sys.stderr)
+                return 1
             result = json.loads(out.stdout.strip().splitlines()[-1])
-            for name in OPERATIONS:
-                samples[tree][name].append(result[name])
+            for name in names:
+                samples[label][name].append(result[name])
         print(f"launch {launch + 1}/{args.launches} done", flush=True)
-    a, b = args.trees
-    print(f"{'operation':<10} {'A wall us':>10} {'B wall us':>10} {'B/A':>6} {'A cpu us':>10} {'B cpu us':>10} {'B/A':>6}")
-    for name in OPERATIONS:
-        wa = statistics.median(s[0] for s in samples[a][name]) * 1e6
-        wb = statistics.median(s[0] for s in samples[b][name]) * 1e6
-        ca = statistics.median(s[1] for s in samples[a][name]) * 1e6
-        cb = statistics.median(s[1] for s in samples[b][name]) * 1e6
-        print(f"{name:<10} {wa:>10.1f} {wb:>10.1f} {wb / wa:>6.3f} {ca:>10.1f} {cb:>10.1f} {cb / ca:>6.3f}")
+    print(f"A = {trees['A']}, B = {trees['B']}; {args.launches} launches each, {steps} steps")
+    report(samples["A"], samples["B"])
     return 0
 
 
