@@ -5,6 +5,7 @@ thread."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -222,6 +223,63 @@ def test_a_waiter_is_woken_before_or_during_its_sleep_and_at_its_timeout(watchin
         waiter.waiting = False
     finally:
         waiter.close()
+
+
+def test_no_wake_up_is_lost_when_waits_switch_between_lock_and_descriptor_sleeps():
+    """A waiter whose waits sleep on its lock or on its descriptors, by turns at random, and a
+    completer that makes each wait's condition true and wakes it at random moments (before
+    the wait arms, while it looks, while it sleeps): no sleep runs to its 5 s timeout (a
+    lost wake-up: the completer's went where the sleep was not). A sleep that ends with its
+    condition still false took a wake-up left over from an earlier wait: allowed."""
+    import random
+
+    rounds = 3000
+    done = [False] * rounds
+    waiter = transport_waiter.Waiter(reads=True)
+    randomness = random.Random(4)
+    kinds = [randomness.random() < 0.5 for _ in range(rounds)]
+    pauses = [randomness.randrange(0, 300) for _ in range(rounds)]
+    slept_out: list[float] = []
+    sleeps = {True: 0, False: 0}  # by kind: on its descriptors, on its lock
+    reached = -1  # the round the waiter is in
+    stopped = False
+
+    def complete() -> None:
+        for i in range(rounds):
+            while reached < i:
+                if stopped:
+                    return
+                os.sched_yield()
+            for _ in range(pauses[i]):  # a random moment, in bytecodes (no sleep: it would be ms)
+                pass
+            done[i] = True
+            waiter.wake()
+
+    waiter.sleeper = threading.get_ident()
+    completer = threading.Thread(target=complete)
+    completer.start()
+    try:
+        for i in range(rounds):
+            reached = i
+            while not slept_out:
+                waiter.arm(kinds[i])
+                if done[i]:
+                    break
+                start = time.monotonic()
+                sleeps[kinds[i]] += 1
+                waiter.sleep(5)
+                waiter.waiting = False
+                if time.monotonic() - start >= 4:  # (done[i] may be true by now: its wake-up was lost)
+                    slept_out.append(time.monotonic() - start)
+            waiter.waiting = False
+            if slept_out:
+                break
+    finally:
+        stopped = True
+        completer.join(30)
+        waiter.close()
+    assert not slept_out, f"{len(slept_out)} sleeps ran to their timeout"
+    assert min(sleeps.values()) > rounds / 20, sleeps  # both kinds slept, many times
 
 
 def test_wait_until_returns_when_woken_or_at_its_timeout():
