@@ -282,6 +282,40 @@ def test_no_wake_up_is_lost_when_waits_switch_between_lock_and_descriptor_sleeps
     assert min(sleeps.values()) > rounds / 20, sleeps  # both kinds slept, many times
 
 
+def test_waits_noted_by_many_threads_at_once_without_a_lock_all_end():
+    """Waits for an answer are noted and ended without the socket lock (transport/waiting.py,
+    ``_take_reading_role``). 16 threads beginning and ending waits at once, with the
+    interpreter switching threads every 10 us (so a switch lands inside any loop over the
+    waits): none fails, and none stays noted."""
+    import sys
+
+    endpoint = Endpoint("many-waits")
+    errors: list[BaseException] = []
+    interval = sys.getswitchinterval()
+
+    def wait_often() -> None:
+        try:
+            for _ in range(300):
+                looks = iter([False, True])  # not ready at the first look: the wait is noted
+                assert endpoint.wait_until(looks.__next__, 30)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait_often) for _ in range(16)]
+    sys.setswitchinterval(1e-5)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+        endpoint.close()
+    assert not errors, errors[:3]
+    assert not any(thread.is_alive() for thread in threads)
+    assert endpoint._answer_waits == {}
+
+
 def test_wait_until_returns_when_woken_or_at_its_timeout():
     endpoint = Endpoint("waits")
     try:
