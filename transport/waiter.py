@@ -57,6 +57,14 @@ def _sleep_on(lock: LockType, timeout: float | None) -> None:
     lock.acquire(timeout=-1 if timeout is None else max(0.0, min(timeout, LONGEST_SLEEP)))
 
 
+def _wake_on(lock: LockType) -> None:
+    """End the sleep on ``lock`` (:func:`_sleep_on`), or the next one."""
+    try:
+        lock.release()
+    except RuntimeError:
+        pass  # already woken
+
+
 def _close_poller(poller: select.epoll | select.poll) -> None:
     close = getattr(poller, "close", None)  # an epoll owns a descriptor; a poll object does not
     if close is not None:
@@ -161,10 +169,7 @@ class Waiter:
         spurious wake-up of its next wait)."""
         if self.waiting and self.sleeper != get_ident():
             if self._on_lock:
-                try:
-                    self._asleep.release()
-                except RuntimeError:
-                    pass  # already woken
+                _wake_on(self._asleep)
                 return
             try:
                 os.write(self._write_fd, _ONE)
@@ -219,10 +224,7 @@ class LockWaiter:
 
     def wake(self) -> None:
         if self.waiting:
-            try:
-                self._asleep.release()
-            except RuntimeError:
-                pass  # already woken
+            _wake_on(self._asleep)
 
     def sleep(self, timeout: float | None) -> None:
         _sleep_on(self._asleep, timeout)

@@ -91,6 +91,11 @@ def bench_rows(spec: str) -> dict[int, list[tuple[str, int]]]:
     return by_world
 
 
+def row_name(row: tuple[str, int]) -> str:
+    """How a bench_scale row is named in a launch's results and the report."""
+    return f"{row[0]}:{row[1]}"
+
+
 def _launch_rows(spec: str, steps: int) -> None:
     """One launch of ``--rows``, with this tree's tools/bench_scale.py (on PYTHONPATH)."""
     from tools import bench_scale
@@ -98,7 +103,7 @@ def _launch_rows(spec: str, steps: int) -> None:
     results = {}
     for world, rows in bench_rows(spec).items():
         found = bench_scale.launch(world, "zmq", steps, rows)
-        results.update({f"{kind}:{value}": found[(kind, value)] for kind, value in rows})
+        results.update({row_name(row): found[row] for row in rows})
     print(json.dumps(results))
 
 
@@ -107,7 +112,7 @@ def paired(a: list[float], b: list[float]) -> tuple[float, float, float, int]:
     its lower and upper quartiles, and in how many pairs B was lower."""
     ratios = sorted(y / x for x, y in zip(a, b))
     n = len(ratios)
-    return statistics.median(ratios), ratios[n // 4], ratios[(3 * n) // 4 if n > 1 else 0], sum(r < 1 for r in ratios)
+    return statistics.median(ratios), ratios[n // 4], ratios[3 * n // 4], sum(r < 1 for r in ratios)
 
 
 def report(samples_a: dict[str, list], samples_b: dict[str, list]) -> None:
@@ -154,7 +159,7 @@ def main() -> int:
     steps = args.steps or (400 if args.rows else 2000)
     if args.rows:
         try:
-            names = [f"{kind}:{value}" for rows in bench_rows(args.rows).values() for kind, value in rows]
+            names = [row_name(row) for rows in bench_rows(args.rows).values() for row in rows]
         except ValueError as exc:
             parser.error(str(exc))
     else:
