@@ -69,7 +69,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from . import memory
+from . import memory, syscalls
 from .errors import RemoteProtocolError
 
 DEFAULT_RING_BYTES = 1 << 20
@@ -517,10 +517,11 @@ class Bell:
             pass  # a full queue: it is ringing already
 
     def drain(self) -> None:
-        """Empty it (see :func:`drain`). Most looks find it empty: a poll says so in a fifth
-        of the time of a read that fails (0.17 against 0.8 us, measured)."""
+        """Empty it (see :func:`drain`). Most looks find it empty: a poll says so in less
+        time than a receive that fails (0.7 against 1.5 us; the poll lets the GIL go, but
+        only for the look)."""
         if self._readable.poll(0):
-            drain(self.fd)
+            syscalls.drain_datagrams(self._socket.fileno())
 
     def close(self) -> None:
         self._socket.close()
@@ -544,17 +545,11 @@ def open_bell(address: str) -> socket.socket:
 def ring_bell(bell: socket.socket) -> None:
     """Wake the peer's sleeping reader. A full queue already wakes it; a gone peer is found
     out by the connection monitor."""
-    try:
-        bell.send(_BELL_BYTE)
-    except OSError:
-        pass
+    syscalls.send_byte(bell, _BELL_BYTE)
 
 
 def drain(fd: int) -> None:
     """Empty our doorbell (before reading the rings: a call that comes after is for data that
-    comes after)."""
-    try:
-        while True:
-            os.read(fd, 16)
-    except (BlockingIOError, InterruptedError):
-        pass
+    comes after). One system call for all the writers that rang, which keeps the GIL
+    (transport/syscalls.py)."""
+    syscalls.drain_datagrams(fd)
