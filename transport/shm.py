@@ -43,7 +43,7 @@ Each shared word is loaded and stored in a single access (``_Shared._words``).
 
 **Doorbell.** A datagram socket per process in Linux's abstract namespace: writers send a
 byte to wake a sleeping reader; the reader's sleeping threads poll it. Level-triggered:
-whoever wakes empties it (:func:`drain`) before it reads the rings.
+whoever wakes empties it (:meth:`Bell.drain`) before it reads the rings.
 
 **Nothing left behind.** Rings are ``memfd`` memory, which the writer maps through
 ``/proc/<pid>/fd``; doorbells have no file either. A process that dies leaves nothing in
@@ -517,9 +517,11 @@ class Bell:
             pass  # a full queue: it is ringing already
 
     def drain(self) -> None:
-        """Empty it (see :func:`drain`). Most looks find it empty: a poll says so in less
-        time than a receive that fails (0.7 against 1.5 us; the poll lets the GIL go, but
-        only for the look)."""
+        """Empty it, before reading the rings (a call that comes after is for data that comes
+        after): one system call for all the writers that rang, which keeps the GIL
+        (transport/syscalls.py). Most looks find it empty: a poll says so in less time than
+        a receive that fails (0.7 against 1.5 us; the poll lets the GIL go, but only for the
+        look)."""
         if self._readable.poll(0):
             syscalls.drain_datagrams(self._socket.fileno())
 
@@ -546,10 +548,3 @@ def ring_bell(bell: socket.socket) -> None:
     """Wake the peer's sleeping reader. A full queue already wakes it; a gone peer is found
     out by the connection monitor."""
     syscalls.send_byte(bell, _BELL_BYTE)
-
-
-def drain(fd: int) -> None:
-    """Empty our doorbell (before reading the rings: a call that comes after is for data that
-    comes after). One system call for all the writers that rang, which keeps the GIL
-    (transport/syscalls.py)."""
-    syscalls.drain_datagrams(fd)

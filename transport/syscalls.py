@@ -51,8 +51,9 @@ class _Libc:
         self._scratch = ctypes.create_string_buffer(8)
         self._iov = _IoVec(ctypes.cast(self._scratch, ctypes.c_void_p), len(self._scratch))
         self._vector = (_MMsgHdr * _BATCH)()
+        iov = ctypes.pointer(self._iov)  # every entry reads into the same scratch bytes
         for entry in self._vector:
-            entry.hdr.iov = ctypes.pointer(self._iov)
+            entry.hdr.iov = iov
             entry.hdr.iovlen = 1
         self.vector = ctypes.byref(self._vector)
         self.batch = ctypes.c_uint(_BATCH)
