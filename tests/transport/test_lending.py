@@ -178,6 +178,9 @@ def test_a_partition_injected_after_a_loan_does_not_keep_the_lent_buffer_for_eve
         assert lender.stats()["borrower"].buffers_lent >= 1
         assert lender.stats()["borrower"].buffers_on_loan == 0  # released ahead of the answer
         lender.send("borrower", Message(MessageType.PYTHON_CALL, 1000, "lender", big))
+        # send() may leave the message queued for the I/O thread (behind others queued there):
+        # the loan is made when it goes out.
+        poll_until(lambda: lender.stats()["borrower"].buffers_on_loan == 1, 10, "the loan")
         policy.partition("borrower")
         assert lender.stats()["borrower"].buffers_on_loan == 1
         assert torch.equal(borrower.recv(10).payload, big)  # read: the release goes out
