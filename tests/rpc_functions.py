@@ -207,6 +207,13 @@ def rref_confirmed(rref):
     return rref.confirmed_by_owner()
 
 
+def delay_sends(delays):
+    """Hold back this worker's messages of the types in ``delays`` (type name -> seconds)."""
+    from zmqautograd.transport.faults import FaultPolicy
+
+    rpc.api._current().endpoint.faults = FaultPolicy(messages_to_delay=delays)
+
+
 def make_rref_here(value):
     return rpc.RRef(value)
 
@@ -393,3 +400,14 @@ def remote_module_forward(remote_module, x):
 class NotAModule:
     def __init__(self, *args, **kwargs):
         pass
+
+
+def _raise_on_load():
+    raise ValueError("cannot be loaded here")
+
+
+class FailsToUnpickle:
+    """Pickles, but fails to unpickle at the receiver."""
+
+    def __reduce__(self):
+        return (_raise_on_load, ())

@@ -18,6 +18,7 @@ import torch
 
 import zmqautograd.autograd as dist_autograd
 import zmqautograd.rpc as rpc
+from zmqautograd.transport.faults import FaultPolicy
 
 from tests import rpc_functions as f
 from tests.conftest import poll_until
@@ -627,6 +628,36 @@ def _leak_worker(rank, init_method, results):
         results.put((rank, "error", repr(exc)))
 
 
+def _fork_then_delete_worker(rank, init_method, results):
+    try:
+        options = rpc.ZmqRpcBackendOptions(init_method=init_method, rpc_timeout=10)
+        rpc.init_rpc(f"w{rank}", rank=rank, world_size=3, rpc_backend_options=options)
+        if rank == 0:
+            rpc.rpc_sync("w2", f.delay_sends, args=({"RREF_FORK_REQUEST": 1.0},))
+            rref = rpc.remote("w1", torch.add, args=(torch.ones(2), 1))
+            rref.to_here()
+            fetched = rpc.rpc_async("w2", f.rref_to_here, args=(rref,))  # w2's fork of it
+            del rref
+            rpc.api._delete_all_user_and_unforked_owner_rrefs()
+            results.put((rank, fetched.wait().tolist()))
+        else:
+            results.put((rank, "joined"))
+        rpc.shutdown()
+    except BaseException as exc:
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def test_user_rrefs_are_deleted_once_the_children_they_were_forked_to_accepted():
+    """Deleting the user RRefs (a graceful shutdown does, and torch's tests) waits, as torch's,
+    until the children they were forked to have registered with the owner. Before, w0's
+    delete reached the owner w1 ahead of w2's fork request (held back here; failed sends did
+    it in torch's test_check_failed_messages): the owner let the value go, and w2's fetch
+    waited for it until its timeout."""
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    got = sorted(spawn_and_collect(_fork_then_delete_worker, [(rank, init_method) for rank in range(3)]), key=str)
+    assert got == [(0, [2.0, 2.0]), (1, "joined"), (2, "joined")], got
+
+
 def test_a_graceful_shutdown_deletes_user_rrefs_and_reports_those_it_could_not():
     got = sorted(_run_pair(_leak_worker, 2), key=str)
     assert got[1] == (1, "clean"), got
@@ -1101,6 +1132,37 @@ def test_dropped_rrefs_leave_nothing_on_the_owner(group):
     del rrefs
     _settle_everyone(group)
     assert rpc.rpc_sync("worker2", f.owned_rrefs) == baseline
+
+
+def test_rrefs_in_a_call_its_receiver_refused_undecoded_are_not_kept_for_it(group):
+    """A call refused undecoded, or not sent, never reached its receiver: the RRefs it carried
+    are not kept for a child that will never accept them, and the owner's value goes once we
+    drop ours.
+    (They were kept for ever: the value leaked, and a graceful shutdown, which waits for
+    children to accept, waited 5 minutes.)"""
+    _settle_everyone(group)
+    baseline = rpc.rpc_sync("worker1", f.owned_rrefs)
+    rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+    rref.to_here()
+    try:
+        rpc.rpc_sync("worker2", f.echo, args=(f.FailsToUnpickle(), rref))
+    except RuntimeError as exc:
+        assert "cannot be loaded here" in str(exc)
+        exc.__traceback__ = None  # (logged too: pytest keeps the record, and these frames hold our RRef)
+    else:
+        pytest.fail("the call was not refused")
+    assert rpc.api._current().rrefs._pending_children == {}
+    endpoint = rpc.api._current().endpoint
+    endpoint.faults = FaultPolicy(messages_to_fail=["PYTHON_CALL"], num_fail_sends=1)
+    try:  # and one whose send failed
+        with pytest.raises(RuntimeError, match="failed on purpose"):
+            rpc.rpc_sync("worker2", f.echo, args=(rref,))
+    finally:
+        endpoint.faults = None
+    assert rpc.api._current().rrefs._pending_children == {}
+    del rref
+    _settle_everyone(group)
+    assert rpc.rpc_sync("worker1", f.owned_rrefs) == baseline
 
 
 def test_an_rref_dropped_while_its_remote_still_runs_leaves_nothing_on_the_owner(group):

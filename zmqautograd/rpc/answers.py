@@ -159,6 +159,8 @@ class Answers:
             return
         pending = self._claim(message_id)
         if pending is not None:
+            if pending.forks:  # not delivered (not sent, or refused undecoded): they never arrived
+                self.rrefs.unsent(pending.forks)
             pending.future.set_exception(error)
 
     def _expire(self: Agent, message_id: int) -> None:

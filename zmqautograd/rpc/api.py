@@ -178,7 +178,7 @@ def _delete_all_user_and_unforked_owner_rrefs(timeout: timedelta = timedelta(min
     """torch's private helper, run by a graceful shutdown: delete every user RRef of this
     worker now (its owner is told) and wait until the deletes went out."""
     agent = _current()
-    agent.rrefs.delete_all_users()
+    agent.rrefs.delete_all_users(timeout.total_seconds())
     if not agent.rrefs.flush_releases(timeout.total_seconds()):
         raise RpcError(f"deleting the user RRefs of {agent.info} took more than {timeout}")
 

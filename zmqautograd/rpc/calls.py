@@ -157,6 +157,8 @@ class _Pending:
     to: WorkerInfo
     timeout: float
     timer: timers.TimerHandle | None = None  # its timeout, cancelled once the call completes
+    # The RRef forks its message carries (rref.py), taken back when it is not delivered.
+    forks: list | None = None
 
 class _CallDeadlines:
     """The timeouts of pending calls that share one (the agent's default, nearly always),
@@ -322,13 +324,15 @@ class Calling:
         recording = outgoing if outgoing is not None and outgoing.collect_tensors else None
         tensors: list | None = [] if recording is not None else None  # only hooks need them
         try:
-            frames = self._encode_to(info, message, tensors, placement)
+            frames = self._encode_to(info, message, tensors, placement, pending)
             if recording is not None and tensors is not None and not sync:
                 hooks.call_recorded(info.id, recording, tensors, False)
             self._transmit(info, message, frames)
         except BaseException as exc:
             self._claim(message_id)  # never sent: nothing will complete it
             self._not_sent(info, outgoing)
+            if pending.forks:
+                self.rrefs.unsent(pending.forks)
             if isinstance(exc, (TransportError, SerializationError)):
                 raise _with_context(exc, f"cannot send a call to {info}") from None
             raise
@@ -349,17 +353,18 @@ class Calling:
             self.hooks.call_not_sent(info.id, outgoing)
 
     def _encode_to(self: Agent, info: WorkerInfo, message: Message, tensors: list | None,
-                   placement: Placement | None) -> list:
+                   placement: Placement | None, pending: _Pending | None = None) -> list:
         """The frames of a message we start (a call, a one-way call, a report) to ``info``:
         CUDA tensors land by ``placement``, by default our device map to that worker."""
         return self._encode(info.id, message, tensors, placement or self.placement.request(info.name),
-                            self._cuda_ipc_to(info.id))
+                            self._cuda_ipc_to(info.id), pending)
 
     def _encode(self: Agent, to: int | None, message: Message, tensors: list | None, placement: Placement | None,
-                cuda_ipc: bool) -> list:
+                cuda_ipc: bool, pending: _Pending | None = None) -> list:
         """``codec.encode`` for a message to worker ``to`` (None: no member), noting where the
         RRef forks made while encoding it go, or taking them back if it cannot be encoded
-        (rref.py: a lost worker's forks are let go)."""
+        (rref.py: a lost worker's forks are let go). A call's forks are kept on its
+        ``pending`` record, to be taken back if the call is not delivered."""
         rrefs = self.rrefs
         try:
             frames = self.codec.encode(message, tensors, placement, cuda_ipc)
@@ -371,6 +376,8 @@ class Calling:
             made = rrefs.take_made()
             if made and to is not None:
                 rrefs.sent_to(made, to)
+                if pending is not None:
+                    pending.forks = made
         return frames
 
     def _cuda_ipc_to(self: Agent, peer: int | str) -> bool:

@@ -26,7 +26,12 @@ go from the owners, and the RRefs kept for it as a child from their senders, as 
 deleted them (torch keeps them forever). A value that others asked for before its remote()
 arrived, whose creator is lost, fails with an error naming the creator, for whoever fetches
 it. A fork request or early delete handled after its sender's loss keeps nothing. A message
-whose forks could not be sent at all takes them back (``unsent``).
+whose forks could not be sent at all takes them back (``unsent``), and so does a call whose
+send failed later or that its receiver refused undecoded (its forks never arrived).
+
+Deleting all user RRefs at once (a graceful shutdown does) first waits, as torch's, until
+the children they were forked to have accepted: a user's delete must not reach the owner
+ahead of a child's fork request, or the owner lets go of a value the child still holds.
 """
 
 from __future__ import annotations

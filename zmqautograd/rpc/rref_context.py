@@ -45,6 +45,7 @@ class RRefContext:
         self._owned: dict[RRefId, _OwnerEntry] = {}
         # fork id -> (our RRef, the child it went to: None until sent), until the child accepts
         self._pending_children: dict[tuple, tuple] = {}
+        self._children_accepted = threading.Condition(self._lock)  # notified when none is left
         # Forks made while encoding a message on this thread, for the agent to tell where the
         # message went (``sent_to``) or that it did not go (``unsent``). ``forks_made`` is 0
         # until the first fork on any thread (increments may race; it never returns to 0): a
@@ -222,6 +223,8 @@ class RRefContext:
                 # Only the worker we forked it to may say it has its own now.
                 raise RpcError(f"RRef fork {fork_id} went to worker {kept[1]}, not to worker {sender}")
             kept = self._pending_children.pop(fork_id, None)
+            if not self._pending_children:
+                self._children_accepted.notify_all()
         del kept  # (our RRef's __del__, if this was its last reference, outside the lock)
 
     # ------------------------------------------------------------- forks and lost workers
@@ -279,6 +282,8 @@ class RRefContext:
                     self._maybe_release(rref_id, entry)
             children = [f for f, (_, child) in self._pending_children.items() if child == worker]
             kept = [self._pending_children.pop(f) for f in children]
+            if not self._pending_children:
+                self._children_accepted.notify_all()
         for value in unborn:  # (outside the lock: failing it answers the fetches waiting on it)
             if not value.done():
                 value.set_exception(PeerLostError(str(worker), (
@@ -320,10 +325,20 @@ class RRefContext:
         self._registering.futures = []
         return registering
 
-    def delete_all_users(self) -> None:
+    def delete_all_users(self, timeout: float | None) -> None:
         """torch's ``_delete_all_user_and_unforked_owner_rrefs``: every user RRef of this worker
         tells its owner now that it is gone (not when Python frees it); using one afterwards
-        raises. The deletes are queued (``flush_releases``)."""
+        raises. The deletes are queued (``flush_releases``).
+
+        First, as torch's, it waits up to ``timeout`` seconds until every child that one of
+        them was forked to has accepted its fork (it has registered with the owner then):
+        a delete that reached the owner ahead of a child's fork request would let the owner
+        drop a value the child still holds. A lost child counts as accepted; after the
+        timeout, the deletes go anyway (logged, as torch's)."""
+        with self._children_accepted:
+            if not self._children_accepted.wait_for(lambda: not self._pending_children, timeout):
+                log.error("%s: timed out after %s s waiting for %d child(ren) to accept the RRefs forked to them; "
+                          "deleting the user RRefs anyway", self.agent.info, timeout, len(self._pending_children))
         for rref in list(self._users):
             if not rref._deleted and not rref._unsent:
                 rref._deleted = True
