@@ -1173,7 +1173,7 @@ def test_an_rref_dropped_while_its_remote_still_runs_leaves_nothing_on_the_owner
     baseline = rpc.rpc_sync("worker2", f.owned_rrefs)
     rref = rpc.remote("worker2", f.wait_at_gate, args=(5,), timeout=0.5)
     with pytest.raises(RuntimeError, match="RPC ran for more than"):
-        rref.to_here()
+        rref._get_future().wait()  # (to_here() would wait for the value, to the call timeout)
     del rref
     assert f.settle()  # our delete was answered: worker2 has it, its remote() still waits
     rpc.rpc_sync("worker2", f.open_gate)
