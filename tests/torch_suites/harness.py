@@ -7,8 +7,8 @@ installed under torch's names (``zmqautograd.install_as_torch_rpc``) before torc
 modules are imported, in this process and in every worker. Each test runs in
 ``world_size`` worker processes (torch's ``MultiProcessTestCase``), started from a forkserver
 that has imported the test module already: a worker then starts in milliseconds rather than
-the seconds a fresh interpreter takes to import torch, and freezes what it inherited
-(``gc.freeze``), which its first full collection would otherwise copy page by page.
+the seconds a fresh interpreter takes to import torch (and ``init_rpc`` freezes what it
+inherited rather than collecting it: rpc/api.py).
 
 Tests that cannot apply to any backend but torch's own are listed in ``NOT_APPLICABLE`` of
 the test module, each with its reason; they are reported as skipped. Differences from torch
@@ -20,7 +20,6 @@ their reason.
 
 from __future__ import annotations
 
-import gc
 import os
 import unittest
 
@@ -99,10 +98,6 @@ class ForkserverWorkers(MultiProcessTestCase):
     @classmethod
     def _run(cls, rank: int, test_name: str, file_name: str, parent_pipe, **kwargs) -> None:
         os.environ.update(cls.worker_environment)
-        # What the forkserver imported is shared with it until written to. init_rpc's first
-        # full collection (rpc/api.py) would traverse all of it, copying each page it touches:
-        # 0.55 s of every test's 0.6-0.8 s with four workers on 2 cores. Frozen, it skips them.
-        gc.freeze()
         super()._run(rank, test_name, file_name, parent_pipe, **kwargs)
 
     def _spawn_processes(self) -> None:

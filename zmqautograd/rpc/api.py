@@ -105,9 +105,28 @@ def _collect_startup_garbage() -> None:
     (steps of ~2 ms with three or four of ~90-190 ms among the first 120; docs/performance.md).
     After it, a full collection waits until the long-lived objects grow by a quarter
     (CPython's rule), which a steady training loop does not reach. Skipped where the user
-    turned the collector off."""
-    if gc.isenabled():
+    turned the collector off.
+
+    A process that multiprocessing forked (start method fork or forkserver) freezes instead
+    (``gc.freeze``): what it inherited is shared with its parent until written to, and a
+    collection writes to every object it traverses. It cost each of four workers forked from
+    a forkserver that imported torch 42 MB of private copies and 0.12 s of CPU; frozen, those
+    objects stay shared and out of the collector's way for good (CPython's advice for forked
+    processes). Garbage inherited from the parent stays: its pages are the parent's anyway."""
+    if not gc.isenabled():
+        return
+    if _forked_by_multiprocessing():
+        gc.freeze()
+    else:
         gc.collect()
+
+
+def _forked_by_multiprocessing() -> bool:
+    """Whether multiprocessing started this process by fork, without a fresh interpreter."""
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None and \
+        multiprocessing.get_start_method(allow_none=True) in ("fork", "forkserver")
 
 
 def _wait_limit(timeout: float) -> float | None:
