@@ -122,7 +122,7 @@ def attack(address: str, marker: str, names: list[str] | None = None, server_key
                 dealer.close()
             report[kind] = received
     finally:
-        context.term()
+        context.destroy(linger=0)  # (term() would wait for ever on dealers an error left open)
     return report
 
 
