@@ -395,7 +395,10 @@ def test_messages_to_a_same_host_peer_switch_to_shared_memory_in_order(server):
         log = client.call({"op": "log"})
         assert [seq for sender, seq in log if sender == "shm-client"] == list(range(3000))
         _wait_for(lambda: client.endpoint.stats()[server.identity].shared_memory)
-        assert client.call({"op": "stats"})["shared_memory"]  # and its answers come back that way
+        # and its answers come back that way, once the server has our offer of the ring it
+        # writes to: the offer comes through the socket, and a call through our ring may be
+        # read before it.
+        _wait_for(lambda: client.call({"op": "stats"})["shared_memory"])
         tensors = [torch.randn(1000), torch.arange(70_000, dtype=torch.int16), torch.randn(600, 600).t()]
         echoed = client.call({"op": "echo", "data": tensors})
         assert all(torch.equal(x, y) for x, y in zip(echoed, tensors))
