@@ -108,9 +108,32 @@ class ForkserverWorkers(MultiProcessTestCase):
             # import torch first (12 tests, 150 s on 2 cores, for nothing).
             self._start_processes(torch.multiprocessing.get_context("spawn").Process)
             return
-        context = torch.multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload([type(self).__module__])
-        self._start_processes(context.Process)
+        self._start_processes(_preloaded_forkserver().Process)
+
+
+# Every torch suite's test module, preloaded by the forkserver its workers fork from.
+_SUITE_MODULES = sorted(f"{__package__}.{name[:-3]}" for name in os.listdir(os.path.dirname(__file__))
+                        if name.startswith("test_") and name.endswith(".py"))
+_our_forkserver: int | None = None  # the pid of the forkserver started with them
+
+
+def _preloaded_forkserver():
+    """The forkserver context, its server started with every suite's test module imported.
+    A process has one forkserver, and a running one ignores later preloads: if another test
+    of this pytest process started it, it is stopped and started again with ours (else each
+    worker would import torch or the test module itself, and the suites take twice as long).
+    Through multiprocessing's private ForkServer, as its own tests stop it."""
+    global _our_forkserver
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    if server._forkserver_pid is not None and server._forkserver_pid != _our_forkserver:
+        server._stop()
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_SUITE_MODULES)
+    server.ensure_running()
+    _our_forkserver = server._forkserver_pid
+    return context
 
 
 def suites(module_name: str, classes: list[type], not_applicable: dict[str, str],
