@@ -121,7 +121,7 @@ def _preloaded_forkserver():
     """The forkserver context, its server started with every suite's test module imported.
     A process has one forkserver, and a running one ignores later preloads: if another test
     of this pytest process started it, it is stopped and started again with ours (else each
-    worker would import torch or the test module itself, and the suites take twice as long).
+    worker would import torch or the test module itself: 15 s a test instead of 1-2).
     Through multiprocessing's private ForkServer, as its own tests stop it."""
     global _our_forkserver
     from multiprocessing import forkserver
