@@ -6,9 +6,9 @@ process starter, as torch's ``rpc_utils.generate_tests`` does for TensorPipe. zm
 installed under torch's names (``zmqautograd.install_as_torch_rpc``) before torch's test
 modules are imported, in this process and in every worker. Each test runs in
 ``world_size`` worker processes (torch's ``MultiProcessTestCase``), started from a forkserver
-that has imported every suite's test module already: a worker then starts in milliseconds rather than
-the seconds a fresh interpreter takes to import torch (and ``init_rpc`` freezes what it
-inherited rather than collecting it: rpc/api.py).
+that has imported every suite's test module already: a worker then starts in milliseconds
+rather than the seconds a fresh interpreter takes to import torch (and ``init_rpc`` freezes
+what it inherited rather than collecting it: rpc/api.py).
 
 Tests that cannot apply to any backend but torch's own are listed in ``NOT_APPLICABLE`` of
 the test module, each with its reason; they are reported as skipped. Differences from torch
