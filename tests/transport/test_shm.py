@@ -258,11 +258,20 @@ def test_a_lost_peers_ring_is_read_before_its_loss_is_taken():
     # The race this covers: a peer publishes into its ring and closes, and our reader takes
     # its GOODBYE (socket) in a batch whose look at the rings came before that data. Forced
     # here by keeping b from reading its rings at all but through the loss itself: what a
-    # wrote must still arrive, in order, and before b reports the loss.
-    with _paired(spin=0) as (a, b, lost):
-        b._receive_rings = lambda drain=True: None  # only _peer_lost's own read remains
+    # wrote must still arrive, in order, and before b reports the loss. Short heartbeats: a
+    # tick (which reads every ring, here nothing) passes while the data waits.
+    ticked = threading.Event()
+
+    def read_no_ring(drain: bool = True, every: bool = False) -> None:
+        if every:
+            ticked.set()
+
+    with _paired(spin=0, heartbeat_interval=0.02) as (a, b, lost):
+        b._receive_rings = read_no_ring  # only _peer_lost's own read remains
         for seq in range(5):
             a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", [seq]))
+        ticked.clear()
+        assert ticked.wait(30)
         a.close()
         peer, error = lost.get(timeout=30)
         assert peer == "a" and "closed its endpoint" in str(error)
