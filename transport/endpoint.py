@@ -33,8 +33,9 @@ when both use :meth:`Endpoint.add_peer`) and sends HELLO; the other answers HELL
 holds messages for that peer until its HELLO arrives. ``ROUTER_MANDATORY`` makes a send to a
 peer without a connection an error, never a silent drop.
 
-Opt-in busy polling (``EndpointOptions.busy_poll``): after application traffic the I/O thread
-keeps polling, yielding its CPU between polls, instead of sleeping, for that long; where waking
+Opt-in busy polling (``EndpointOptions.busy_poll``): after application traffic that it handled
+the I/O thread keeps polling, yielding its CPU between polls, instead of sleeping, for that
+long (traffic a waiting thread reads itself needs no I/O thread awake); where waking
 a sleeping thread is slow (VMs), answers then find a thread already running (docs/transport.md).
 With peers on shared-memory rings (transport/shm.py) it does so for ``EndpointOptions.spin``
 at least, and waiting threads spin up to that long before they sleep (as long as their waits
