@@ -541,16 +541,29 @@ def test_a_thread_spins_only_while_what_it_waits_for_comes_within_a_spin():
                 b.send("a", Message(MessageType.PYTHON_CALL, seq + 1, "b", seq))
                 assert b.recv(30).payload == seq
 
+            # Six waits without input in their spin take it from 2 ms to none; a wait that finds
+            # its message already there (b's thread held up for 30 ms on a loaded machine)
+            # restores it. So: slow messages until b no longer spins, within 200.
+            settled = threading.Event()
+            sent = 0
+
             def send_slowly() -> None:
-                for seq in range(12):
+                nonlocal sent
+                while sent < 200 and not settled.is_set():
                     time.sleep(0.03)  # the gap between messages is what this test is about
-                    a.send("b", Message(MessageType.PYTHON_CALL, 100 + seq, "a", seq))
+                    a.send("b", Message(MessageType.PYTHON_CALL, 100 + sent, "a", sent))
+                    sent += 1
 
             sender = threading.Thread(target=send_slowly)
             sender.start()
-            assert [b.recv(30).payload for _ in range(12)] == list(range(12))
+            received = []
+            while spin_of_b() > 0 and len(received) < 200:
+                received.append(b.recv(30).payload)
+            assert spin_of_b() == 0.0, f"b still spins after {len(received)} messages 30 ms apart"
+            settled.set()
             sender.join(30)
-            assert spin_of_b() == 0.0
+            received += [b.recv(30).payload for _ in range(sent - len(received))]
+            assert received == list(range(sent))
             # Under load an answer may take longer than a spin; one that does not is enough.
             for seq in range(2000):
                 b.send("a", Message(MessageType.PYTHON_CALL, 200 + seq, "b", seq))
