@@ -281,16 +281,18 @@ def test_bench_scale_prints_both_frameworks_and_their_ratios():
         assert line.count("x") == 2  # a time ratio and a CPU ratio
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 @pytest.mark.skipif(not (shutil.which("valgrind") and shutil.which("callgrind_control")), reason="needs valgrind")
 def test_bench_instr_counts_a_step_of_both_trees_alike():
     """tools/bench_instr.py with HEAD against the working tree (the same code in a clean
-    checkout): both counted, from their own trees, and alike (the measure is repeatable)."""
+    checkout): both counted, from their own trees, and alike (the measure is repeatable).
+    About 70 s on 2 idle cores; beside two CPU hogs it took more than 220 s: its limits are
+    for a hang, not for a busy machine."""
     import re
     import subprocess
 
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_instr.py"), "HEAD", "--steps", "10",
-                           "--workloads", "hop"], capture_output=True, text=True, timeout=220, cwd=ROOT)
+                           "--workloads", "hop"], capture_output=True, text=True, timeout=570, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     found = re.search(r"^hop\s+A\s+([\d,]+)\s+B\s+([\d,]+)\s+B/A ([\d.]+)$", done.stdout, re.M)
     assert found, done.stdout
