@@ -286,7 +286,7 @@ def test_bench_scale_prints_both_frameworks_and_their_ratios():
 def test_bench_instr_counts_a_step_of_both_trees_alike():
     """tools/bench_instr.py with HEAD against the working tree (the same code in a clean
     checkout): both counted, from their own trees, and alike (the measure is repeatable).
-    About 70 s on 2 idle cores; beside two CPU hogs it took more than 220 s: its limits are
+    About 70 s on 2 idle cores; beside four CPU hogs it took more than 220 s: its limits are
     for a hang, not for a busy machine."""
     import re
     import subprocess
