@@ -569,12 +569,12 @@ def _runnable_share(native_id: int, seconds: float, samples: int = 60) -> float:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads thread states from /proc")
 def test_busy_poll_spins_after_traffic_then_sleeps():
-    """Opt-in busy polling: after traffic the I/O thread keeps polling (it uses CPU while
-    nothing arrives), and once busy_poll has passed without traffic it sleeps, though the
-    peer's heartbeats keep arriving every 0.1 s (they do not count as traffic). The window
-    follows traffic that the I/O thread received: inline handlers here, so that no waiting
-    thread (a recv() caller, the dispatcher) reads the answers first, as one would when
-    it is there (then it needs no I/O thread awake)."""
+    """Opt-in busy polling: after traffic the I/O thread keeps polling (it stays runnable
+    while nothing arrives), and once busy_poll has passed without traffic it sleeps, though
+    the peer's heartbeats keep arriving every 0.1 s (they do not count as traffic). The
+    window follows traffic that the I/O thread received: inline handlers here, so that no
+    waiting thread (a recv() caller, the dispatcher) reads the answers first; one that does
+    was awake for them, and starts no window."""
     with pytest.raises(ValueError, match="busy_poll"):
         EndpointOptions(busy_poll=-1)
     fast_heartbeats = dict(heartbeat_interval=0.1, peer_timeout=5.0)
