@@ -244,7 +244,7 @@ class IoThread:
         router = self._router
         socket_lock = self._socket_lock
         busy_poll = self.options.busy_poll
-        spin = self.options.spin
+        io_spin = min(self.options.spin, shm.IO_SPIN)
         busy_until = 0.0  # with busy_poll: spin instead of sleeping until then (monotonic)
         while True:
             timeout = 0.0
@@ -290,10 +290,10 @@ class IoThread:
                 self._run_inline()
             if closing:
                 return
-            # With peers on shared-memory rings, the I/O thread spins for ``spin`` after
-            # traffic too: answers that reach no waiting thread (rpc_async callers, who wait
-            # on torch futures) then need no wake-up either.
-            window = max(busy_poll, spin) if self._rings_in else busy_poll
+            # With peers on shared-memory rings, the I/O thread spins after traffic too (for
+            # shm.IO_SPIN, at most ``spin``): answers that reach no waiting thread (rpc_async
+            # callers, who wait on torch futures) then need no wake-up either.
+            window = max(busy_poll, io_spin) if self._rings_in else busy_poll
             if active and window:
                 busy_until = time.monotonic() + window
 

@@ -47,7 +47,8 @@ class EndpointOptions:
     # With such peers, a thread that waits (for an answer, or idle for work) first spins on
     # the rings for up to this long, yielding its CPU between looks, before it sleeps: an
     # answer that comes within it needs no wake-up. A thread whose waits of a kind last longer
-    # spins less, down to not at all (transport/waiting.py). 0: it sleeps at once.
+    # spins less, down to not at all (transport/waiting.py). The I/O thread spins after
+    # traffic for shm.IO_SPIN at most. 0: nothing spins, every wait sleeps at once.
     spin: float = shm.DEFAULT_SPIN
     # A peer that does not read what we send it is dropped (lost, with an error that says so)
     # once this many bytes of big messages wait in libzmq or its ring for it, or this many

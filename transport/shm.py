@@ -73,7 +73,11 @@ from . import memory, syscalls
 from .errors import RemoteProtocolError
 
 DEFAULT_RING_BYTES = 1 << 20
-DEFAULT_SPIN = 0.002  # seconds (EndpointOptions.spin)
+DEFAULT_SPIN = 0.02  # seconds: the longest a waiting thread spins (EndpointOptions.spin)
+# Seconds the I/O thread spins after traffic (at most ``spin``). It learns nothing (a waiting
+# thread's spin is learnt per kind of wait), so it stays short: with no waiting thread
+# awake, it is what catches answers that no thread waits for in the endpoint.
+IO_SPIN = 0.002
 SUPPORTED = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
 # The header's words, as indices into a "Q" view of it (``_Shared._words``): byte offsets 0,
