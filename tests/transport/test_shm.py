@@ -28,7 +28,7 @@ from zmqautograd.transport import waiter as transport_waiter
 from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 from zmqautograd.transport.errors import RemoteProtocolError
 
-from tests.transport.test_endpoint import Client
+from tests.transport.test_endpoint import Client, _runnable_share
 from tests.workers import start_server
 
 pytestmark = [
@@ -488,9 +488,25 @@ def test_waiting_threads_stop_spinning_once_their_spin_is_over():
             assert b.recv(30).payload == seq
         cpu_before = time.process_time()
         with pytest.raises(TimeoutError):
-            b.recv(1.5)  # spins 2 ms, then sleeps until the timeout
+            b.recv(1.5)  # spins up to ``spin``, then sleeps until the timeout
         used = time.process_time() - cpu_before
         assert used < 0.5, f"an idle wait of 1.5 s used {used:.2f} s of CPU"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads thread states from /proc")
+def test_the_io_thread_spins_after_ring_traffic_for_io_spin_not_for_spin():
+    """A waiting thread may spin up to ``spin`` (learnt per kind of wait); the I/O thread's
+    window after traffic, which is not learnt, is ``shm.IO_SPIN`` at most: here, with a spin
+    of 5 s, it is asleep soon after the traffic it received. Every message arrives, in order."""
+    assert shm.IO_SPIN < 0.01 < shm.DEFAULT_SPIN
+    with _paired(spin=5.0, heartbeat_interval=5.0, peer_timeout=60.0) as (a, b, _lost):
+        received = b.stats()["a"].messages_received
+        for seq in range(20):  # nobody waits in b: its I/O thread receives them
+            a.send("b", Message(MessageType.PYTHON_CALL, seq + 1, "a", seq))
+        poll_until(lambda: b.stats()["a"].messages_received >= received + 20, 30, "b's I/O thread received all 20")
+        awake = _runnable_share(b._io_thread.native_id, 0.3)
+        assert awake <= 0.25, f"b's I/O thread was awake in {awake:.0%} of the 0.3 s after its traffic"
+        assert [b.recv(30).payload for _ in range(20)] == list(range(20))
 
 
 def test_a_learnt_spin_covers_the_gaps_that_a_spin_can_cover():
@@ -541,7 +557,7 @@ def test_a_thread_spins_only_while_what_it_waits_for_comes_within_a_spin():
                 b.send("a", Message(MessageType.PYTHON_CALL, seq + 1, "b", seq))
                 assert b.recv(30).payload == seq
 
-            # Six waits without input in their spin take it from 2 ms to none; a wait that finds
+            # Nine waits without input in their spin take it from 20 ms to none; a wait that finds
             # its message already there (b's thread held up for 30 ms on a loaded machine)
             # restores it. So: slow messages until b no longer spins, within 200.
             settled = threading.Event()
