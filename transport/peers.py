@@ -48,7 +48,7 @@ class EndpointOptions:
     # the rings for up to this long, yielding its CPU between looks, before it sleeps: an
     # answer that comes within it needs no wake-up. A thread whose waits of a kind last longer
     # spins less, down to not at all (transport/waiting.py). The I/O thread spins after
-    # traffic for shm.IO_SPIN at most. 0: nothing spins, every wait sleeps at once.
+    # traffic for shm.IO_SPIN, at most this (busy_poll if longer). 0: no waiting thread spins.
     spin: float = shm.DEFAULT_SPIN
     # A peer that does not read what we send it is dropped (lost, with an error that says so)
     # once this many bytes of big messages wait in libzmq or its ring for it, or this many

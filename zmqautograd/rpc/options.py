@@ -105,7 +105,8 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
             work) first spins on the rings for up to this long, yielding its CPU between
             looks, before it sleeps (less, down to not at all, where its waits have lasted
             longer: docs/transport.md, "Spinning waiters"); default 20 ms. The I/O thread
-            spins after traffic for 2 ms at most. 0: nothing spins, every wait sleeps at once.
+            spins after traffic for 2 ms, or this if shorter (``busy_poll`` if longer). 0:
+            no waiting thread spins, and the I/O thread only for ``busy_poll``.
         messages_to_fail / num_fail_sends / messages_to_delay / drop_fraction / fail_fraction /
         fault_seed:
             fault injection, as torch's faulty agent options (``zmqautograd.transport.faults``; also
