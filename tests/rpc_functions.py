@@ -262,6 +262,21 @@ def open_gate():
     _gate.set()
 
 
+def _decoding_thread() -> str:
+    return threading.current_thread().name
+
+
+class DecodedWhere:
+    """Decodes (unpickles) as the name of the thread that decodes it."""
+
+    def __reduce__(self):
+        return (_decoding_thread, ())
+
+
+def decoded_where_at_gate():
+    return wait_at_gate(DecodedWhere())
+
+
 def settle():
     """Wait until every call this worker made (RRef deletions included) has been answered."""
     import gc

@@ -314,6 +314,37 @@ def test_rpc_async_answers_completed_by_the_io_thread_never_run_user_callbacks_t
     assert len(seen) == 21 and not any(name.startswith("zmq-io") for name in seen), seen
 
 
+def _open_gate_once_awaited(future, worker: str) -> threading.Thread:
+    """A thread that opens ``worker``'s gate once a thread waits on ``future``."""
+
+    def open_once_waiting():
+        poll_until(lambda: future._taker is not None, 30, "the caller waits on its future")
+        rpc.rpc_sync(worker, f.open_gate)
+
+    opener = threading.Thread(target=open_once_waiting)
+    opener.start()
+    return opener
+
+
+@pytest.mark.parametrize("wait", ["wait", "wait_all"])
+def test_a_thread_waiting_on_rpc_async_futures_completes_their_answers_itself(group, wait):
+    # wait() and wait_all receive as rpc_sync does: the answer is decoded on the waiting
+    # thread, not handed to the pool and back (a pickled value, which the I/O thread never
+    # decodes), and the other calls' answers arrive intact whoever takes them.
+    gated = rpc.rpc_async("worker1", f.decoded_where_at_gate)
+    others = [rpc.rpc_async(name, f.echo, args=(f.Point(i, i),)) for i, name in enumerate(group.names[1:] * 3)]
+    opener = _open_gate_once_awaited(gated, "worker1")
+    try:
+        if wait == "wait":
+            values = [gated.wait()] + [other.wait() for other in others]
+        else:
+            values = torch.futures.wait_all([gated, *others])
+    finally:
+        opener.join(30)
+    assert values == [threading.current_thread().name] + [f.Point(i, i) for i in range(len(others))]
+    assert not opener.is_alive() and gated._taker is None and not gated._waiters
+
+
 def test_remote_exception_keeps_type_names_worker_and_carries_traceback(group):
     with pytest.raises(ValueError) as caught:
         rpc.rpc_sync("worker2", f.raise_value_error, args=("expected failure",))

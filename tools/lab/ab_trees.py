@@ -1,4 +1,5 @@
-"""A/B of two source trees in one run: the one-hop step and a small ``rpc_sync``, or rows
+"""A/B of two source trees in one run: the one-hop step, a small ``rpc_sync``, a small
+``rpc_async`` waited on at once and a batch of 64 (``wait_all``), or rows
 of tools/bench_scale.py (``--rows``).
 
 For a change that moves code rather than patching one switch (``ab_inlaunch.py`` flips a
@@ -28,7 +29,8 @@ import subprocess
 import sys
 import time
 
-OPERATIONS = ("hop", "rpc_small")
+OPERATIONS = ("hop", "rpc_small", "async_small", "async_64")
+BATCHED = {"async_64": 16}  # operation: fewer steps by this factor (each is a batch)
 
 
 def _add(a, b):
@@ -53,26 +55,33 @@ def _worker(rank: int, port: int, steps: int, queue) -> None:
         small = torch.ones(4)
         results = {}
         for name in OPERATIONS:
-            for _ in range(steps // 10):  # warm up
+            count = steps // BATCHED.get(name, 1)
+            for _ in range(count // 10):  # warm up
                 _step(name, rpc, dist_autograd, x, small)
             peer = rpc.rpc_sync("w1", _process_seconds)
             cpu, start = time.process_time(), time.perf_counter()
-            for _ in range(steps):
+            for _ in range(count):
                 _step(name, rpc, dist_autograd, x, small)
             wall = time.perf_counter() - start
             cpu = time.process_time() - cpu + rpc.rpc_sync("w1", _process_seconds) - peer
-            results[name] = (wall / steps, cpu / steps)
+            results[name] = (wall / count, cpu / count)
         queue.put(results)
     rpc.shutdown()
 
 
 def _step(name, rpc, dist_autograd, x, small) -> None:
+    import torch
+
     if name == "hop":
         with dist_autograd.context() as context_id:
             y = rpc.rpc_sync("w1", _add, args=(x, x))
             dist_autograd.backward(context_id, [y.sum()])
-    else:
+    elif name == "rpc_small":
         rpc.rpc_sync("w1", _add, args=(small, small))
+    elif name == "async_small":
+        rpc.rpc_async("w1", _add, args=(small, small)).wait()
+    else:  # 64 in flight, as tools/bench.py's throughput
+        torch.futures.wait_all([rpc.rpc_async("w1", _add, args=(small, small)) for _ in range(64)])
 
 
 _BENCH_KINDS = {"one-hop": "one hop", "threads": "threads", "fan-out": "fan-out", "chain": "chain"}

@@ -15,6 +15,9 @@ both).
 
     python tools/lab/calls_per_message.py one-hop|threads:N|fan-out:N|chain:N [--steps 200] [--top 25] [--by function|module]
         [--opcodes] [--zmq heartbeat_interval=50 --zmq peer_timeout=100 ...]
+
+``--by line`` (with ``--opcodes``) lists bytecodes by source line: where within a function
+they go.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class _Counts:
         self.python: collections.Counter = collections.Counter()
         self.builtin: collections.Counter = collections.Counter()
         self.opcodes: collections.Counter = collections.Counter()
+        self.lines = False  # count opcodes by (code, line) instead of by code
 
     def profile(self, frame: Any, event: str, arg: Any) -> None:
         if not self.on:
@@ -66,7 +70,7 @@ class _Counts:
 
     def _trace_opcodes(self, frame: Any, event: str, arg: Any) -> Any:
         if event == "opcode" and self.on:
-            self.opcodes[frame.f_code] += 1
+            self.opcodes[(frame.f_code, frame.f_lineno) if self.lines else frame.f_code] += 1
         return self._trace_opcodes
 
     def snapshot(self) -> dict[str, int]:
@@ -76,8 +80,12 @@ class _Counts:
             found[function_name(code.co_filename, code.co_qualname)] += count
         for name, count in list(self.builtin.items()):
             found["builtin:" + name] += count
-        for code, count in list(self.opcodes.items()):
-            found["opcodes:" + function_name(code.co_filename, code.co_qualname)] += count
+        for key, count in list(self.opcodes.items()):
+            if self.lines:
+                code, line = key
+                found["opcodes:" + function_name(code.co_filename, f"{line} {code.co_qualname}")] += count
+            else:
+                found["opcodes:" + function_name(key.co_filename, key.co_qualname)] += count
         return dict(found)
 
 
@@ -156,7 +164,9 @@ def _run_steps(step, count: int, threads: int) -> None:
         worker.join()
 
 
-def _group(rank: int, world: int, port: int, row: str, steps: int, opcodes: bool, results, zmq_options: dict) -> None:
+def _group(rank: int, world: int, port: int, row: str, steps: int, opcodes: bool, results, zmq_options: dict,
+           lines: bool = False) -> None:
+    _counts.lines = lines
     # Every thread the group starts from here on is counted (the endpoint's, the pool's).
     sys.setprofile(_counts.profile)
     threading.setprofile(_counts.profile)
@@ -188,7 +198,8 @@ def main() -> None:
                                     "fan-out:N (world N) or chain:N (N processes)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--top", type=int, default=25, help="functions (or modules) shown per process")
-    parser.add_argument("--by", choices=["function", "module"], default="function")
+    parser.add_argument("--by", choices=["function", "module", "line"], default="function",
+                        help="line: bytecodes by source line (implies --opcodes)")
     parser.add_argument("--opcodes", action="store_true",
                         help="also count the bytecodes each function executed (slower): what the interpreter's share of "
                              "the instructions follows; the top list then shows those")
@@ -198,9 +209,12 @@ def main() -> None:
                              "step, far slower than a real one, would inflate)")
     args = parser.parse_args()
     zmq_options = bench_scale.parse_options(args.zmq)
+    if args.by == "line":
+        args.opcodes = True
     world = bench_scale.lab_world(args.row)
     results = mp.get_context("spawn").SimpleQueue()
-    group = mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.opcodes, results, zmq_options),
+    group = mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.opcodes, results, zmq_options,
+                                                   args.by == "line"),
                                nprocs=world, start_method="spawn", join=False)
     # Read before joining: the counts may not fit the pipe, and the driver waits until they are read.
     per_process = next_result(group, results)

@@ -3,6 +3,7 @@ arrive, decoded, matched with the pending call, timed out, failed with a lost pe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -12,7 +13,7 @@ from zmqautograd.transport import (
     MessageType,
 )
 
-from .calls import _CallFuture, _Pending, _PostedCall, _ReportSink, _SyncSlot
+from .calls import AnswerTaker, _CallFuture, _Pending, _PostedCall, _ReportSink, _SyncSlot, takers
 from .errors import RpcTimeoutError, SerializationError
 from .message_types import REQUEST_TYPES, RESPONSE_TYPES
 from .serialization import (
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 _PLAIN_RESPONSE_TYPES = frozenset(REQUEST_TYPES.values()) - {MessageType.FORWARD_AUTOGRAD_RESP}
 
 _INLINE_MAX_BYTES = 1 << 16  # bigger answers are decoded on the pool (CUDA copies among them)
+_NOT_BLOCKING = contextlib.nullcontext()
 
 
 class Answers:
@@ -70,8 +72,20 @@ class Answers:
             if self._claim(envelope.id) is not None:  # else timed out meanwhile: already failed
                 future.settle(self._answer_posted, envelope, pending.to, future.on_answer)
             return True
-        if type(future) is not _CallFuture or envelope.type not in _PLAIN_RESPONSE_TYPES \
-                or envelope.nbytes > _INLINE_MAX_BYTES:
+        if type(future) is not _CallFuture:
+            return False
+        active = takers.active
+        if active is not None or future._taker is not None:
+            # A thread waits in wait(): this one (any such answer), or the future's own.
+            with future._guard:
+                taker = active or future._taker
+                if taker is not None and not future._observed:
+                    if self._claim(envelope.id) is not None:  # else timed out meanwhile: already failed
+                        taker.items.append((future, envelope, pending.to))
+                        if taker is not active:
+                            taker.waiter.wake()
+                    return True
+        if envelope.type not in _PLAIN_RESPONSE_TYPES or envelope.nbytes > _INLINE_MAX_BYTES:
             return False
         with future._guard:
             if future._observed:
@@ -91,6 +105,57 @@ class Answers:
             else:
                 future.set_result(value)
         return True
+
+    def _await_answers(self: Agent, futures: list[_CallFuture], done: Callable[[], bool]) -> None:
+        """``wait()`` on rpc_async calls' futures (or ``wait_all``): receive on this thread
+        until ``done()``, as ``rpc_sync`` does, completing here the answers taken meanwhile
+        (_route_to_waiter): those of ``futures``, and while it waits, those of every call
+        whose future has no callback (the other calls of a fan-out, which it would wait for
+        next; no user code runs on the way). In a pool thread, the pool may start another
+        meanwhile."""
+        taker = takers.mine
+        waiter = self.endpoint.waiter()
+        if taker is None:
+            taker = takers.mine = AnswerTaker(waiter)
+        if not taker.depth:
+            taker.waiter = waiter  # (this agent's endpoint's)
+        items = taker.items
+        taker.depth += 1
+        takers.active = taker
+        for future in futures:
+            future._waiters.append(waiter)
+            with future._guard:
+                if future._taker is None:
+                    future._taker = taker
+
+        def ready() -> bool:
+            return bool(items) or done()
+
+        try:
+            with self.pool.blocking() if self.pool.owns_current_thread() else _NOT_BLOCKING:
+                while not done():
+                    self.endpoint.wait_until(ready)
+                    self._complete_taken(items)
+        finally:
+            for future in futures:
+                future._waiters.remove(waiter)
+                with future._guard:
+                    if future._taker is taker:
+                        future._taker = None
+            taker.depth -= 1
+            if not taker.depth:
+                takers.active = None
+                self._complete_taken(items)  # each was claimed: none may be left behind
+
+    def _complete_taken(self: Agent, items: list) -> None:
+        while items:
+            future, envelope, to = items.pop(0)
+            value, error = self._decode_response(envelope, to)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+            del future, value, error
 
     def _answer_posted(self: Agent, envelope: Envelope, to: WorkerInfo, on_answer: Callable) -> None:
         """A _PostedCall's answer, on the thread it was posted to."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections import deque
 from _thread import allocate_lock as _allocate_lock
@@ -92,12 +93,20 @@ class _CallFuture(Future):
     callers ``wait()`` or ``wait_all``), the I/O thread completes it with a small plain
     answer itself, one thread hand-over fewer than through the pool; a callback registered
     since sends its answer through the pool, so user callbacks never run on the I/O thread.
-    ``_guard`` orders the two: a registration waits while the I/O thread completes."""
+    ``_guard`` orders the two: a registration waits while the I/O thread completes.
 
-    def __init__(self) -> None:
+    A thread in ``wait()`` receives meanwhile, as a caller of ``rpc_sync`` does, and takes
+    the answers of such futures itself (answers.py, ``_await_answers``): the answer it waits
+    for needs no hand-over to the pool and back, and neither do those of the calls it made
+    before (a fan-out's), which it would wait for next."""
+
+    def __init__(self, await_answers: Callable[[list[_CallFuture], Callable[[], bool]], None] | None = None) -> None:
         super().__init__()
         self._guard = _allocate_lock()
         self._observed = False
+        self._await_answers = await_answers  # (the agent's)
+        self._taker: AnswerTaker | None = None  # that of the first thread in wait()
+        self._waiters: list[AnyWaiter] = []  # those of the threads in wait(): woken when it completes
 
     def then(self, callback: Callable) -> torch.futures.Future:
         with self._guard:
@@ -108,6 +117,34 @@ class _CallFuture(Future):
         with self._guard:
             self._observed = True
         super().add_done_callback(callback)
+
+    def wait(self) -> Any:
+        if self._await_answers is not None and not self.done():
+            self._await_answers([self], self.done)
+        return super().wait()
+
+    def set_result(self, result: Any) -> None:  # (set_exception comes here too)
+        super().set_result(result)
+        for waiter in tuple(self._waiters):
+            waiter.wake()
+
+class AnswerTaker:
+    """A thread that waits in ``_CallFuture.wait()`` (``depth`` of them, nested): the
+    answers it took and will complete (future, envelope, callee), and its waiter."""
+
+    __slots__ = ("items", "waiter", "depth")
+
+    def __init__(self, waiter: AnyWaiter) -> None:
+        self.items: list[tuple[_CallFuture, Envelope, WorkerInfo]] = []
+        self.waiter = waiter
+        self.depth = 0
+
+class _Takers(threading.local):
+    mine: AnswerTaker | None = None  # this thread's, once it waited
+    active: AnswerTaker | None = None  # the same, while it waits
+
+
+takers = _Takers()
 
 class _PostedCall:
     """The pending entry of a call whose answer is handled on one particular thread, one that
@@ -303,7 +340,7 @@ class Calling:
         if posted is not None:
             future = _PostedCall(*posted)
         else:
-            future = slot if slot is not None else _CallFuture()
+            future = slot if slot is not None else _CallFuture(self._await_answers)
         message_id = next(self._ids)
         message = Message(message_type, message_id, self._me, payload)
         pending = _Pending(future, info, timeout)

@@ -259,6 +259,11 @@ def wait_all(futures: list) -> list:
         ended.set()
 
     _settle_once(list(futures), settle, first_error=True, observed=False)  # (settle only wakes this thread)
+    # rpc_async calls' futures (calls.py, _CallFuture): this thread receives their answers
+    # itself while it waits, as their wait() does.
+    awaits = next((f._await_answers for f in futures if getattr(f, "_await_answers", None) is not None), None)
+    if awaits is not None and not ended.is_set():
+        awaits([f for f in futures if getattr(f, "_await_answers", None) == awaits], ended.is_set)
     ended.wait()
     error = first.pop()
     if error is not None:
