@@ -1,7 +1,7 @@
 """Where the CPU of a step goes, by process and by thread: one row of tools/bench_scale.py
 (zmqautograd, or TensorPipe with ``--framework tp``), with each thread's CPU seconds (/proc/self/task/TID/stat, utime + stime)
 read before and after the timed loop in every process, divided by the steps, and the times
-threads went to sleep per step (voluntary context switches). Threads are named by role: the driver's threads, the endpoint's I/O and dispatch threads, the pool, the
+threads went to sleep per step (voluntary context switches), in all and by role. Threads are named by role: the driver's threads, the endpoint's I/O and dispatch threads, the pool, the
 timers, libzmq's own (ZMQbg/...).
 
     python tools/lab/cpu_by_thread.py one-hop|threads:16|fan-out:16|chain:9 [--steps 200] [--framework tp]
@@ -60,7 +60,9 @@ def cpu_by_role(skip: frozenset[int] = frozenset()) -> dict[str, float]:
         fields = stat[stat.rindex(")") + 2:].split()
         seconds = (int(fields[11]) + int(fields[12])) / _TICK
         found[_role(names.get(int(tid), comm))] += seconds
-        found["sleeps"] += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+        slept = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+        found["sleeps"] += slept
+        found["sleeps of " + _role(names.get(int(tid), comm))] += slept
     return dict(found)
 
 
@@ -101,6 +103,7 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, framework: st
             per_process.append({role: (a[role] - b.get(role, 0.0)) / total for role in a})
         per_process[0]["driver threads"] = sum(ended) / total
         per_process[0]["sleeps"] += sum(slept) / total
+        per_process[0]["sleeps of driver threads"] = sum(slept) / total
         results.put((elapsed / total, per_process))
     rpc.shutdown()
 
@@ -124,8 +127,10 @@ def main() -> None:
     totals: dict[str, float] = collections.defaultdict(float)
     for rank, roles in enumerate(per_process):
         sleeps = roles.pop("sleeps", 0.0)
+        by_role = {role.removeprefix("sleeps of "): roles.pop(role) for role in list(roles) if role.startswith("sleeps of ")}
         shown = ", ".join(f"{role} {ms * 1e3:.2f}" for role, ms in sorted(roles.items(), key=lambda kv: -kv[1]) if ms > 0)
-        print(f"  worker{rank}: {sum(roles.values()) * 1e3:.2f}  ({shown}); {sleeps:.1f} sleeps per step")
+        slept = ", ".join(f"{role} {n:.1f}" for role, n in sorted(by_role.items(), key=lambda kv: -kv[1]) if n >= 0.05)
+        print(f"  worker{rank}: {sum(roles.values()) * 1e3:.2f}  ({shown}); {sleeps:.1f} sleeps per step ({slept})")
         for role, ms in roles.items():
             totals[role] += ms
         totals["sleeps"] += sleeps
