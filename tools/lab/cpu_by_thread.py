@@ -1,7 +1,8 @@
 """Where the CPU of a step goes, by process and by thread: one row of tools/bench_scale.py
 (zmqautograd, or TensorPipe with ``--framework tp``), with each thread's CPU seconds (/proc/self/task/TID/stat, utime + stime)
-read before and after the timed loop in every process, divided by the steps, and the times
-threads went to sleep per step (voluntary context switches), in all and by role. Threads are named by role: the driver's threads, the endpoint's I/O and dispatch threads, the pool, the
+read before and after the timed loop in every process, divided by the steps, the times
+threads went to sleep per step (voluntary context switches), in all and by role, and how long
+they were runnable but waited for a CPU (schedstat's run-queue delay). Threads are named by role: the driver's threads, the endpoint's I/O and dispatch threads, the pool, the
 timers, libzmq's own (ZMQbg/...).
 
     python tools/lab/cpu_by_thread.py one-hop|threads:16|fan-out:16|chain:9 [--steps 200] [--framework tp]
@@ -55,6 +56,7 @@ def cpu_by_role(skip: frozenset[int] = frozenset()) -> dict[str, float]:
                 comm = f.read().strip()
             with open(f"/proc/self/task/{tid}/status") as f:
                 status = f.read()
+            queued = _queued_seconds(f"/proc/self/task/{tid}/schedstat")
         except OSError:
             continue  # it ended meanwhile
         fields = stat[stat.rindex(")") + 2:].split()
@@ -63,7 +65,16 @@ def cpu_by_role(skip: frozenset[int] = frozenset()) -> dict[str, float]:
         slept = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
         found["sleeps"] += slept
         found["sleeps of " + _role(names.get(int(tid), comm))] += slept
+        found["queued"] += queued
+        found["queued of " + _role(names.get(int(tid), comm))] += queued
     return dict(found)
+
+
+def _queued_seconds(path: str) -> float:
+    """Seconds a thread has spent runnable but waiting for a CPU (the second field of its
+    schedstat: run-queue delay)."""
+    with open(path) as f:
+        return int(f.read().split()[1]) / 1e9
 
 
 def _group(rank: int, world: int, port: int, row: str, steps: int, framework: str, results, zmq_options: dict) -> None:
@@ -74,12 +85,15 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, framework: st
 
         ended: list[float] = []  # CPU of driver threads, read by each as it ends (then /proc forgets it)
         slept: list[int] = []  # and their sleeps
+        queued: list[float] = []  # and their waits for a CPU
 
         def steps_on_thread(count: int) -> None:
             start, sleeps = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+            waited = _queued_seconds("/proc/thread-self/schedstat")
             steps_loop(count)
             ended.append(time.thread_time() - start)
             slept.append(resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - sleeps)
+            queued.append(_queued_seconds("/proc/thread-self/schedstat") - waited)
 
         def steps_loop(count: int) -> None:
             for _ in range(count):
@@ -104,6 +118,8 @@ def _group(rank: int, world: int, port: int, row: str, steps: int, framework: st
         per_process[0]["driver threads"] = sum(ended) / total
         per_process[0]["sleeps"] += sum(slept) / total
         per_process[0]["sleeps of driver threads"] = sum(slept) / total
+        per_process[0]["queued"] += sum(queued) / total
+        per_process[0]["queued of driver threads"] = sum(queued) / total
         results.put((elapsed / total, per_process))
     rpc.shutdown()
 
@@ -128,16 +144,24 @@ def main() -> None:
     for rank, roles in enumerate(per_process):
         sleeps = roles.pop("sleeps", 0.0)
         by_role = {role.removeprefix("sleeps of "): roles.pop(role) for role in list(roles) if role.startswith("sleeps of ")}
+        queued = roles.pop("queued", 0.0)
+        queued_by_role = {role.removeprefix("queued of "): roles.pop(role) for role in list(roles)
+                          if role.startswith("queued of ")}
         shown = ", ".join(f"{role} {ms * 1e3:.2f}" for role, ms in sorted(roles.items(), key=lambda kv: -kv[1]) if ms > 0)
         slept = ", ".join(f"{role} {n:.1f}" for role, n in sorted(by_role.items(), key=lambda kv: -kv[1]) if n >= 0.05)
         print(f"  worker{rank}: {sum(roles.values()) * 1e3:.2f}  ({shown}); {sleeps:.1f} sleeps per step ({slept})")
+        waited = ", ".join(f"{role} {s * 1e3:.2f}" for role, s in sorted(queued_by_role.items(), key=lambda kv: -kv[1])
+                           if s >= 5e-5)
+        print(f"           runnable, waiting for a CPU: {queued * 1e3:.2f} ({waited})")
         for role, ms in roles.items():
             totals[role] += ms
         totals["sleeps"] += sleeps
+        totals["queued"] += queued
     sleeps = totals.pop("sleeps")
+    queued = totals.pop("queued")
     print(f"  all: {sum(totals.values()) * 1e3:.2f}  (" + ", ".join(
         f"{role} {ms * 1e3:.2f}" for role, ms in sorted(totals.items(), key=lambda kv: -kv[1]) if ms > 0)
-        + f"); {sleeps:.1f} sleeps per step")
+        + f"); {sleeps:.1f} sleeps per step; {queued * 1e3:.2f} ms runnable, waiting for a CPU")
 
 
 if __name__ == "__main__":
