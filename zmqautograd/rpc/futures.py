@@ -176,6 +176,15 @@ class Outcome:
         return self.value()
 
 
+def settle(future: Any, value: Any, error: BaseException | None) -> None:
+    """Complete ``future`` with ``error``, or with ``value`` when there is none (an answer's
+    ``(value, error)``)."""
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
 def settle_from(target: Any, done: Any, convert: Callable | None = None) -> None:
     """Complete ``target`` as ``done`` completed (its value through ``convert``, if given),
     unless it is complete already."""
