@@ -61,12 +61,13 @@ def cpu_by_role(skip: frozenset[int] = frozenset()) -> dict[str, float]:
             continue  # it ended meanwhile
         fields = stat[stat.rindex(")") + 2:].split()
         seconds = (int(fields[11]) + int(fields[12])) / _TICK
-        found[_role(names.get(int(tid), comm))] += seconds
+        role = _role(names.get(int(tid), comm))
+        found[role] += seconds
         slept = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
         found["sleeps"] += slept
-        found["sleeps of " + _role(names.get(int(tid), comm))] += slept
+        found["sleeps of " + role] += slept
         found["queued"] += queued
-        found["queued of " + _role(names.get(int(tid), comm))] += queued
+        found["queued of " + role] += queued
     return dict(found)
 
 

@@ -15,7 +15,7 @@ from zmqautograd.transport import (
 
 from .calls import AnswerTaker, _CallFuture, _Pending, _PostedCall, _ReportSink, _SyncSlot, takers
 from .errors import RpcTimeoutError, SerializationError
-from .futures import settle
+from .futures import complete_future
 from .message_types import REQUEST_TYPES, RESPONSE_TYPES
 from .serialization import (
     decode_exception,
@@ -100,7 +100,7 @@ class Answers:
                 return False
             if self._claim(envelope.id) is None:
                 return True  # timed out meanwhile: already failed
-            settle(future, *self._response_value(Message(envelope.type, envelope.id, envelope.sender, payload, tensors), pending.to))
+            complete_future(future, *self._response_value(Message(envelope.type, envelope.id, envelope.sender, payload, tensors), pending.to))
         return True
 
     def _await_answers(self: Agent, futures: list[_CallFuture], done: Callable[[], bool]) -> None:
@@ -147,7 +147,7 @@ class Answers:
     def _complete_taken(self: Agent, items: list) -> None:
         while items:
             future, envelope, to = items.pop(0)
-            settle(future, *self._decode_response(envelope, to))
+            complete_future(future, *self._decode_response(envelope, to))
             del future
 
     def _answer_posted(self: Agent, envelope: Envelope, to: WorkerInfo, on_answer: Callable) -> None:
@@ -206,7 +206,7 @@ class Answers:
                 return
             log.debug("%s: late or unknown response %d (timed out?)", self.info, message.id)
             return
-        settle(pending.future, *self._response_value(message, pending.to))
+        complete_future(pending.future, *self._response_value(message, pending.to))
 
     def _on_send_error(self: Agent, peer: str, message_id: int, error: Exception) -> None:
         if self._misdirected(self._pending.get(message_id), peer, MessageType.PROTOCOL_ERROR, message_id):

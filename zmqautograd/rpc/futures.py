@@ -176,7 +176,7 @@ class Outcome:
         return self.value()
 
 
-def settle(future: Any, value: Any, error: BaseException | None) -> None:
+def complete_future(future: Any, value: Any, error: BaseException | None) -> None:
     """Complete ``future`` with ``error``, or with ``value`` when there is none (an answer's
     ``(value, error)``)."""
     if error is not None:
