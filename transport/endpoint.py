@@ -183,6 +183,8 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         self._ring_slots: list = []  # the peer whose ring has each slot of our Flags page's marks (None: free)
         self._unwritten: set[str] = set()
         self._spinning: bool = False
+        self._spinning_for_work = False  # the spinning thread waits for work (waiting.py, _spin)
+        self._spin_wanted = False  # a caller waiting for an answer asks that spinner to stop
         self._challenge = os.urandom(lending.CHALLENGE_BYTES)
         self._releases: deque = deque()
         self._transfer_ids = itertools.count(1)

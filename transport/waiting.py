@@ -175,7 +175,7 @@ class WaitingThreads:
                 if spin and self._rings_in:  # spin first (bounded by the deadline), then sleep
                     until = time.monotonic() + spin
                     received = self._received
-                    spun = self._spin(waiter, ready, until if deadline is None else min(until, deadline))
+                    spun = self._spin(waiter, ready, until if deadline is None else min(until, deadline), for_work)
                     if spun or self._received != received:  # the spin saw input: it paid
                         if learner is not None and watched_from is not None:
                             self._learn_spin(learner, for_work, time.monotonic() - watched_from)
@@ -210,22 +210,45 @@ class WaitingThreads:
         limit = self.options.spin
         learner.spin_for[for_work] = learn_spin(self._spin_length(learner, for_work), gap, limit)
 
-    def _spin(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], until: float) -> bool | None:
+    def _spin(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], until: float,
+              for_work: bool = False) -> bool | None:
         """Receive without sleeping until ``ready()`` (True) or ``until`` (False), yielding
         the CPU (and the GIL) between looks; None: nothing was ready, but a ring got data as
-        the spin ended (look again before sleeping). One thread spins at a time; while it
-        does, peers that write to our rings need not ring our doorbell (transport/shm.py)."""
+        the spin ended, or the spin was handed over (look again before sleeping). One thread
+        spins at a time; while it does, peers that write to our rings need not ring our
+        doorbell (transport/shm.py).
+
+        A caller that waits for an answer and reads (``_take_reading_role``) takes the spin
+        over from a thread that waits for work (an idle pool thread), which stops at its next
+        look: else the caller would sleep while the pool thread received its answer and woke
+        it, a wake-up and a GIL hand-over per answer, with the pool thread still spinning
+        beside it (about once a step of a fan-out's driver)."""
         flags, bell = self._flags, self._bell
         if flags is None or bell is None:
             return False  # no shared memory here: nothing to spin on
-        with self._socket_lock:
-            if self._spinning or not self._router_open:
-                return False
-            self._spinning = True
-            flags.set_spinning(True)
         clock = time.monotonic
+        while True:
+            with self._socket_lock:
+                if not self._router_open:
+                    return False
+                if not self._spinning:
+                    self._spinning = True
+                    self._spinning_for_work = for_work
+                    self._spin_wanted = False
+                    flags.set_spinning(True)
+                    break
+                if for_work or not self._spinning_for_work or self._reading_waiter is not waiter:
+                    return False
+                self._spin_wanted = True
+            # The spinner still receives (our answer among the rest) until it sees the request.
+            if ready():
+                return True
+            if clock() >= until:
+                return False
+            _yield_cpu()
         has_input = waiter.has_input
         result = False
+        handed_over = False
         looks = 0
         try:
             while True:
@@ -248,6 +271,9 @@ class WaitingThreads:
                 if ready():
                     result = True
                     break
+                if self._spin_wanted:
+                    handed_over = True  # to a caller (above): look again, without the spin
+                    break
                 if clock() >= until:
                     break
                 _yield_cpu()
@@ -263,7 +289,7 @@ class WaitingThreads:
                     missed = flags.pending()
                     if missed and result:
                         bell.ring()  # we leave: whoever sleeps takes it
-        return None if missed and not result else result
+        return None if (missed or handed_over) and not result else result
 
     def _read_for_waiter(self: Endpoint, rings_only: bool = False) -> None:
         """Receive what waits in the ROUTER and the rings, on a waiting thread (as the I/O

@@ -592,6 +592,55 @@ def test_a_thread_spins_only_while_what_it_waits_for_comes_within_a_spin():
             echoing.join(30)
 
 
+@pytest.mark.skipif(transport_waiter.EXCLUSIVE is None or not os.path.exists("/proc/self/task"),
+                    reason="waiting threads spin only where they read (Linux); reads thread states from /proc")
+def test_a_caller_waiting_for_its_answer_takes_the_spin_from_a_thread_waiting_for_work():
+    """An idle thread waiting for work spins (here for up to 60 s); a caller that then waits
+    for its answer takes the spin over: the idle thread stops spinning and sleeps (it no
+    longer reads), the caller receives its message itself. Before, the idle thread spun on
+    beside the caller, receiving for it, and the caller slept until woken."""
+    with _paired(spin=60.0, heartbeat_interval=5.0, peer_timeout=60.0) as (a, b, _lost):
+        stop = threading.Event()
+        idle: list = []
+
+        def wait_for_work() -> None:
+            idle.append((threading.get_native_id(), b.waiter()))
+            b.wait_until(stop.is_set, 60, for_work=True)
+
+        worker = threading.Thread(target=wait_for_work, daemon=True)
+        worker.start()
+        failures: list = []
+        try:
+            poll_until(lambda: b._spinning, 30, "the idle thread spins for work")
+            native_id, idle_waiter = idle[0]
+
+            def send_once_the_idle_thread_sleeps() -> None:
+                # Sent once the caller waits (a message that came before would be in b's
+                # queue already, and the caller would not wait at all) and the idle thread
+                # has stopped spinning: asleep through 50 ms.
+                try:
+                    poll_until(lambda: _runnable_share(native_id, 0.05, 5) == 0.0, 10,
+                               "the idle thread asleep while the caller waits")
+                except AssertionError as error:
+                    failures.append(error)
+                a.send("b", Message(MessageType.PYTHON_CALL, 1, "a", "for the caller"))
+
+            sender = threading.Thread(target=send_once_the_idle_thread_sleeps, daemon=True)
+            sender.start()
+            assert b.recv(30).payload == "for the caller"
+            sender.join(30)
+            assert not failures, failures[0]
+            awake = _runnable_share(native_id, 0.3)
+            assert awake <= 0.25, f"the idle thread was runnable in {awake:.0%} of the 0.3 s after"
+            assert worker.is_alive()  # still waiting for work, asleep
+        finally:
+            stop.set()
+            if idle:
+                idle[0][1].wake()
+            worker.join(30)
+        assert not worker.is_alive()
+
+
 def test_a_peer_whose_doorbell_cannot_be_reached_stays_on_the_socket(monkeypatch):
     # As between network namespaces, whose abstract sockets cannot reach each other: the
     # offer is declined on that side, and messages keep flowing through the socket, in order.
