@@ -612,7 +612,7 @@ def test_a_caller_waiting_for_its_answer_takes_the_spin_from_a_thread_waiting_fo
         failures: list = []
         try:
             poll_until(lambda: b._spinning, 30, "the idle thread spins for work")
-            native_id, idle_waiter = idle[0]
+            native_id = idle[0][0]
 
             def send_once_the_idle_thread_sleeps() -> None:
                 # Sent once the caller waits (a message that came before would be in b's
