@@ -17,7 +17,7 @@ both).
         [--opcodes] [--zmq heartbeat_interval=50 --zmq peer_timeout=100 ...]
 
 ``--by line`` (with ``--opcodes``) lists bytecodes by source line: where within a function
-they go.
+they go. It measures the checkout it is in: to measure another tree, run that tree's copy.
 """
 
 from __future__ import annotations
@@ -221,7 +221,8 @@ def main() -> None:
     while not group.join():
         pass
     listed = "bytecodes" if args.opcodes else "calls"
-    print(f"{args.row}: calls per step by process, {listed} by {args.by} (spin off, {args.steps} steps)")
+    print(f"{args.row}: calls per step by process, {listed} by {args.by} (spin off, {args.steps} steps; "
+          f"zmqautograd from {ROOT})")
     for rank, counts in enumerate(per_process):
         totals = summary(counts, args.steps)
         messages = totals["received"] + totals["sent"]

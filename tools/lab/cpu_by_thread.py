@@ -5,6 +5,9 @@ threads went to sleep per step (voluntary context switches), in all and by role,
 they were runnable but waited for a CPU (schedstat's run-queue delay). Threads are named by role: the driver's threads, the endpoint's I/O and dispatch threads, the pool, the
 timers, libzmq's own (ZMQbg/...).
 
+It measures the checkout it is in (it puts that first on ``sys.path``, as bench_scale does):
+to measure another tree, run that tree's copy. The first line names the folder measured.
+
     python tools/lab/cpu_by_thread.py one-hop|threads:16|fan-out:16|chain:9 [--steps 200] [--framework tp]
                                       [--zmq heartbeat_interval=50 --zmq peer_timeout=100 ...]
 """
@@ -20,7 +23,8 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 import torch.multiprocessing as mp  # noqa: E402
 
@@ -140,7 +144,8 @@ def main() -> None:
     mp.start_processes(_group, args=(world, ports.free_port(), args.row, args.steps, args.framework, results, zmq_options),
                        nprocs=world, start_method="spawn")
     seconds, per_process = results.get()
-    print(f"{args.row}: {seconds * 1e6:.0f} us per step; CPU per step by process and thread role (ms):")
+    print(f"{args.row}: {seconds * 1e6:.0f} us per step; CPU per step by process and thread role (ms); "
+          f"zmqautograd from {ROOT}")
     totals: dict[str, float] = collections.defaultdict(float)
     for rank, roles in enumerate(per_process):
         sleeps = roles.pop("sleeps", 0.0)
