@@ -64,7 +64,8 @@ def _join(rank: int, world: int, framework: str, port: int) -> tuple:
         import zmqautograd.autograd as autograd  # type: ignore[no-redef]
         import zmqautograd.rpc as rpc  # type: ignore[no-redef]
 
-        options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120, **ZMQ_OPTIONS)
+        # (``--zmq rpc_timeout=...`` replaces the 120 s: a backward pass's idle check is due then.)
+        options = rpc.ZmqRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", **{"rpc_timeout": 120, **ZMQ_OPTIONS})
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=options)
     return rpc, autograd
 
