@@ -63,7 +63,7 @@ class WaitingThreads:
         return waiter
 
     def wait_until(self: Endpoint, ready: Callable[[], bool], timeout: float | None = None, *,
-                   for_work: bool = False) -> bool:
+                   for_work: bool = False, idle: Callable[[], bool] | None = None) -> bool:
         """Block the calling thread until ``ready()`` is true (True) or ``timeout`` seconds
         have passed (False). Meanwhile the thread receives from the socket itself, exactly as
         the I/O thread would, so that the message it waits for wakes it directly, with no
@@ -71,8 +71,12 @@ class WaitingThreads:
         thread (or a callback this receiving runs) then calls ``waiter().wake()`` of the
         waiting thread. ``ready`` must be quick and must not block. ``for_work``: the thread
         waits for work rather than for an answer (an idle pool thread); each kind of wait
-        learns its own spin (see :meth:`_spin_length`)."""
-        return self._wait(self.waiter(), ready, timeout, for_work)
+        learns its own spin (see :meth:`_spin_length`). ``idle``: work for time the thread
+        would otherwise only wait, in pieces: each call does one and says whether more
+        remain. A spinning thread does a piece instead of yielding, between its looks at
+        its input (peers keep writing to our rings without ringing); a thread that does not
+        spin does them all once it has taken what came, before it sleeps."""
+        return self._wait(self.waiter(), ready, timeout, for_work, idle)
 
     def _take_reading_role(self: Endpoint, waiter: AnyWaiter, for_work: bool) -> tuple[bool, object | None]:
         """Note the wait and decide who watches the ROUTER: whether ``waiter`` does, and the
@@ -138,18 +142,18 @@ class WaitingThreads:
         self._reading_waiter = waiter
 
     def _wait(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], timeout: float | None,
-              for_work: bool = False) -> bool:
+              for_work: bool = False, idle: Callable[[], bool] | None = None) -> bool:
         if ready():
             return True
         reads, token = self._take_reading_role(waiter, for_work)
         try:
-            return self._wait_counted(waiter, ready, timeout, for_work, reads)
+            return self._wait_counted(waiter, ready, timeout, for_work, reads, idle)
         finally:
             if token is not None:
                 self._end_answer_wait(token)
 
     def _wait_counted(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], timeout: float | None,
-                      for_work: bool, reads: bool) -> bool:
+                      for_work: bool, reads: bool, idle: Callable[[], bool] | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         # The waiter whose spin this wait uses and teaches; None: this wait never spins.
         learner = waiter if isinstance(waiter, Waiter) and reads and self.options.spin else None
@@ -167,6 +171,11 @@ class WaitingThreads:
                     if not reads:
                         learner = None
                         spin = 0.0
+                if idle is not None and not (spin and self._rings_in) and not ready():
+                    while idle():  # no spin to do it in: all now, unarmed (nobody wakes us)
+                        pass
+                    idle = None
+                    continue  # then what came meanwhile
                 waiter.arm(reads)  # from here on, whoever makes ready() true wakes us
                 if ready():
                     break
@@ -175,7 +184,8 @@ class WaitingThreads:
                 if spin and self._rings_in:  # spin first (bounded by the deadline), then sleep
                     until = time.monotonic() + spin
                     received = self._received
-                    spun = self._spin(waiter, ready, until if deadline is None else min(until, deadline), for_work)
+                    spun = self._spin(waiter, ready, until if deadline is None else min(until, deadline), for_work, idle)
+                    idle = None  # (what the spin left stays with its owner, for a later wait)
                     if spun or self._received != received:  # the spin saw input: it paid
                         if learner is not None and watched_from is not None:
                             self._learn_spin(learner, for_work, time.monotonic() - watched_from)
@@ -211,7 +221,7 @@ class WaitingThreads:
         learner.spin_for[for_work] = learn_spin(self._spin_length(learner, for_work), gap, limit)
 
     def _spin(self: Endpoint, waiter: AnyWaiter, ready: Callable[[], bool], until: float,
-              for_work: bool = False) -> bool | None:
+              for_work: bool = False, idle: Callable[[], bool] | None = None) -> bool | None:
         """Receive without sleeping until ``ready()`` (True) or ``until`` (False), yielding
         the CPU (and the GIL) between looks; None: nothing was ready, but a ring got data as
         the spin ended, or the spin was handed over (look again before sleeping). One thread
@@ -222,7 +232,8 @@ class WaitingThreads:
         over from a thread that waits for work (an idle pool thread), which stops at its next
         look: else the caller would sleep while the pool thread received its answer and woke
         it, a wake-up and a GIL hand-over per answer, with the pool thread still spinning
-        beside it (about once a step of a fan-out's driver)."""
+        beside it (about once a step of a fan-out's driver). ``idle``: pieces of work done
+        between looks instead of yielding (wait_until)."""
         flags, bell = self._flags, self._bell
         if flags is None or bell is None:
             return False  # no shared memory here: nothing to spin on
@@ -276,7 +287,9 @@ class WaitingThreads:
                     break
                 if clock() >= until:
                     break
-                _yield_cpu()
+                if idle is None or not idle():
+                    idle = None
+                    _yield_cpu()
         finally:
             with self._socket_lock:
                 self._spinning = False

@@ -569,6 +569,49 @@ def test_send_functions_are_listed_by_message_id_whatever_order_they_were_record
     assert listed[4] is call[0] and len(listed[4].next_functions) == 2
 
 
+def test_the_parts_of_async_calls_are_built_while_their_caller_waits(group, monkeypatch):
+    """AutogradHooks.while_waiting: the plan parts of a fan-out's rpc_async calls (their
+    send functions' walks) are built while the caller waits for the answers, one at a time,
+    not in its backward pass; every call sends the same leaf, whose post-hook dict is looked up once
+    per context (plan._post_hooks_of), and a post hook registered after that lookup still
+    runs, once, on the leaf's whole gradient."""
+    from zmqautograd.autograd import plan as planning
+    from zmqautograd.autograd import port
+
+    probes = []
+    real_probe = planning.post_hooks_of
+    monkeypatch.setattr(planning, "post_hooks_of", lambda node: (probes.append(node), real_probe(node))[1])
+    hooks = port.current().hooks
+    real_while_waiting = hooks.while_waiting
+    parts_when_waiting = []
+
+    def while_waiting():
+        more = real_while_waiting()  # a part a piece
+        parts_when_waiting.append(len(ctx.part_cache))
+        if not more:
+            rpc.rpc_async("worker1", af.open_gate)  # worker1's answer comes only now
+        return more
+
+    monkeypatch.setattr(hooks, "while_waiting", while_waiting)
+    x = torch.randn(3, requires_grad=True)
+    seen = []
+    with dist_autograd.context() as context_id:
+        ctx = dist_autograd._retrieve_context(context_id)
+        futures = [rpc.rpc_async("worker1", af.gated_scale, args=(x, 2.0))]
+        futures += [rpc.rpc_async(worker, torch.mul, args=(x, 2.0)) for worker in ("worker2", "worker3")]
+        assert ctx.part_cache == {}
+        values = [future.wait() for future in futures]
+        assert parts_when_waiting[:3] == [1, 2, 3] and set(parts_when_waiting[3:]) <= {3}  # (later waits: none left)
+        assert probes == [torch.autograd.graph.get_gradient_edge(x).node]
+        probes[0].register_hook(lambda grad_inputs, grad_outputs: seen.append(grad_outputs[0].clone()))
+        dist_autograd.backward(context_id, [torch.stack(values).sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    torch.testing.assert_close(grads[x], torch.full((3,), 6.0))
+    assert len(probes) == 1
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], torch.full((3,), 6.0))
+
+
 def test_a_plan_of_send_functions_alone_is_reused_until_one_is_added():
     """planning.plan_for: a worker's passes reuse the plan built after its answer left, without
     listing the send functions again; a send function added since makes it build anew, also

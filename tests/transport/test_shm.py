@@ -592,6 +592,34 @@ def test_a_thread_spins_only_while_what_it_waits_for_comes_within_a_spin():
             echoing.join(30)
 
 
+@pytest.mark.skipif(transport_waiter.EXCLUSIVE is None, reason="waiting threads spin only where they read (Linux)")
+def test_a_spinning_wait_does_its_idle_work_between_looks():
+    """wait_until's ``idle`` on a thread that spins: a piece of it between looks at the
+    input instead of a yield, while the process stays marked as spinning (peers that write
+    to its rings need not ring its doorbell), until no piece remains; the wait then ends as
+    any does, when its condition holds."""
+    with _paired(spin=60.0, heartbeat_interval=5.0, peer_timeout=60.0) as (a, b, _lost):
+        pieces: list = []
+
+        def work() -> bool:
+            pieces.append(b._spinning)
+            return len(pieces) < 3
+
+        done = threading.Event()
+
+        def end_the_wait_after_the_work() -> None:
+            poll_until(lambda: len(pieces) == 3, 30, "the idle work done")
+            done.set()
+
+        ender = threading.Thread(target=end_the_wait_after_the_work, daemon=True)
+        ender.start()
+        start = time.monotonic()
+        assert b.wait_until(done.is_set, 30, idle=work) is True
+        assert time.monotonic() - start < 10  # seen by the spin, not after the sleep timed out
+        ender.join(30)
+        assert pieces == [True, True, True]
+
+
 @pytest.mark.skipif(transport_waiter.EXCLUSIVE is None or not os.path.exists("/proc/self/task"),
                     reason="waiting threads spin only where they read (Linux); reads thread states from /proc")
 def test_a_caller_waiting_for_its_answer_takes_the_spin_from_a_thread_waiting_for_work():

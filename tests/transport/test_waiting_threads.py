@@ -339,6 +339,33 @@ def test_wait_until_returns_when_woken_or_at_its_timeout():
         endpoint.close()
 
 
+def test_wait_until_does_its_idle_work_once_where_it_would_wait():
+    """wait_until's ``idle``: done once, the first time the wait finds its condition false,
+    before the thread spins or sleeps and before it arms its waiter (nobody spends a
+    wake-up on it meanwhile); never when the condition holds at once. A condition that the
+    idle work makes true ends the wait without a sleep."""
+    endpoint = Endpoint("idles")
+    try:
+        done: list = []
+        assert endpoint.wait_until(lambda: True, 5, idle=lambda: done.append("idle")) is True
+        assert done == []
+        waiter = endpoint.waiter()
+        flag = threading.Event()
+
+        def work() -> None:
+            done.append(waiter.waiting)
+            flag.set()
+
+        start = time.monotonic()
+        assert endpoint.wait_until(flag.is_set, 30, idle=work) is True
+        assert time.monotonic() - start < 10
+        assert done == [False]
+        assert endpoint.wait_until(lambda: False, 0.2, idle=lambda: done.append("again")) is False
+        assert done == [False, "again"]
+    finally:
+        endpoint.close()
+
+
 def test_close_wakes_every_thread_waiting_in_recv():
     endpoint = Endpoint("closing")
     outcomes: list[str] = []

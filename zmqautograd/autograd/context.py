@@ -49,6 +49,7 @@ class DistAutogradContext:
         self.plan_cache: Any = None
         self.sends_version = 0  # counts send functions added (whether plan_for's cached plan is current)
         self.part_cache: dict = {}  # root key -> what it reaches (plan._Part)
+        self.leaf_hooks: dict = {}  # leaf node -> its dict of Python post hooks (plan._post_hooks_of)
 
     # The seeds' accessors (used by tests and tools).
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any
 
 from zmqautograd.transport import Message, MessageType, PeerDepartedError, PeerLostError
@@ -38,6 +39,16 @@ class _Served:
         self.removed: list | None = None
 
 
+_DEFERRED_MAX = 64  # parts a thread defers at most until it waits (beyond: the plan builds them)
+
+
+class _Deferred(threading.local):
+    """A thread's calls whose send functions' plan parts wait for it to wait for answers."""
+
+    def __init__(self) -> None:
+        self.parts: list = []  # (weak reference to the context, autograd message id)
+
+
 class AutogradHooks:
     """One agent's distributed autograd: its contexts and the hooks that record into them."""
 
@@ -47,6 +58,7 @@ class AutogradHooks:
         self._local = self.contexts._local  # the current context, per thread (served calls switch it)
         self._losses = threading.Condition()
         self._lost: list[str] = []  # the workers lost so far, by name
+        self._deferred = _Deferred()
 
     # ------------------------------------------------------------------ calls we make
 
@@ -67,8 +79,31 @@ class AutogradHooks:
     def call_recorded(self, to: int, outgoing: OutgoingCall, tensors: list, sync: bool) -> None:
         metadata = outgoing.state[0]
         context = record_send(self.contexts, metadata, tensors, to)
-        if sync and context is not None:  # its part of the caller's plan, while the call travels
+        if context is None:
+            return
+        if sync:  # its part of the caller's plan, while the call travels
             prepare_part(context, metadata[1])
+            return
+        # An asynchronous call's part is built when this thread waits for answers (the
+        # caller of a fan-out, between its calls and its backward pass): not before the
+        # call leaves, which would hold up the next call, nor in the backward pass, whose
+        # critical path would then walk every call's graph.
+        if context.recorded_send(metadata[1]) is None:
+            return  # no tensor of it requires grad: no send function, no part
+        parts = self._deferred.parts
+        if len(parts) >= _DEFERRED_MAX:  # a thread that never waits: the plan builds them
+            parts.clear()
+        parts.append((weakref.ref(context), metadata[1]))  # (keeps no released context alive)
+
+    def while_waiting(self) -> bool:
+        parts = self._deferred.parts
+        if not parts:
+            return False
+        reference, message_id = parts.pop(0)  # (in the order of the calls)
+        context = reference()
+        if context is not None and not context.released:
+            prepare_part(context, message_id)
+        return bool(parts)
 
     def call_not_sent(self, to: int, outgoing: OutgoingCall) -> None:
         """Releases that were to ride on a call that did not leave go with the next one."""

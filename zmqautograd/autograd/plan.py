@@ -100,12 +100,13 @@ class _Part:
     nodes (one group, when no other root reaches them) and that group's exit edges. It
     depends on nothing but the root's graph, which does not change once recorded, so a
     context keeps the parts of its send functions (``DistAutogradContext.part_cache``) for
-    every plan it makes, and a caller builds them while its call travels (``prepare_part``)."""
+    every plan it makes, and a caller builds them while its call travels (``prepare_part``).
+    ``leaf_hooks``: the leaves' post-hook dicts found before (``_post_hooks_of``)."""
 
     __slots__ = ("edges", "nodes", "node_set", "exits", "captures", "capture_edges", "capture_leaves",
                  "recv_targets", "pass_through", "post_hooks")
 
-    def __init__(self, edges: list) -> None:
+    def __init__(self, edges: list, leaf_hooks: dict | None = None) -> None:
         self.edges = tuple(edges)
         exits: dict[Any, bool] = {}  # exit node -> whether it is a leaf
         nodes: list = []
@@ -152,7 +153,8 @@ class _Part:
         self.recv_targets = list(dict.fromkeys([node for node, _ in captures if not exits[node]]))
         self.pass_through = _pass_through_slots(nodes, captures) if len(nodes) == 1 else None
         # The dicts of its leaves' Python post hooks (functions.post_hooks_of).
-        self.post_hooks = {node: hooks for node, leaf in exits.items() if leaf and (hooks := post_hooks_of(node)) is not None}
+        self.post_hooks = {node: hooks for node, leaf in exits.items()
+                           if leaf and (hooks := _post_hooks_of(node, leaf_hooks)) is not None}
 
 def _pass_through_slots(nodes: list, captures: list) -> tuple | None:
     """_Group.pass_through for a group of ``nodes`` whose exit edges are ``captures``."""
@@ -173,16 +175,18 @@ def _pass_through_slots(nodes: list, captures: list) -> tuple | None:
 class Plan:
     """Groups and exits for one set of roots. Built once per context and root set."""
 
-    def __init__(self, roots: dict[Any, list[Edge]], general: bool = False, parts: dict | None = None):
+    def __init__(self, roots: dict[Any, list[Edge]], general: bool = False, parts: dict | None = None,
+                 leaf_hooks: dict | None = None):
         """``parts``: the roots' parts made before, by root key (see _Part); the parts made
-        here are added to it (pass a context's ``part_cache``)."""
+        here are added to it (pass a context's ``part_cache``); ``leaf_hooks``: the leaves'
+        post-hook dicts found before, to which those found here are added (a context's)."""
         self.root_keys = list(roots)
         self.root_bits = {key: 1 << i for i, key in enumerate(self.root_keys)}
         self.roots = roots
         self._forwardable: dict | None = None
-        if not general and self._disjoint_groups({} if parts is None else parts):
+        if not general and self._disjoint_groups({} if parts is None else parts, leaf_hooks):
             return
-        self._link(*self._mask_groups())
+        self._link(*self._mask_groups(), leaf_hooks)
 
     def _mask_groups(self) -> tuple[dict, set, bool]:
         """Exits and groups (nodes only), the general way: label every node with the mask of
@@ -206,7 +210,7 @@ class Plan:
             self.group_of[node] = group.index
         return successors, leaves, True
 
-    def _disjoint_groups(self, parts: dict) -> bool:
+    def _disjoint_groups(self, parts: dict, leaf_hooks: dict | None = None) -> bool:
         """The whole plan when no graph node is reached from two roots (False, having set
         nothing, when one is): each root's nodes then have that root's mask alone, so each
         root gets one group, its part (_Part), which exits only into leaves and recv
@@ -221,7 +225,7 @@ class Plan:
             edges = self.roots[key]
             part = parts.get(key)
             if part is None or part.edges != tuple(edges):
-                part = parts[key] = _Part(edges)
+                part = parts[key] = _Part(edges, leaf_hooks)
             found.append(part)
         if len(found) > 1:
             reached = sum([len(part.nodes) for part in found])
@@ -255,14 +259,15 @@ class Plan:
         self._aggregate(leaves)
         return True
 
-    def _link(self, successors: dict, leaves: set, may_chain: bool) -> None:
+    def _link(self, successors: dict, leaves: set, may_chain: bool, leaf_hooks: dict | None = None) -> None:
         """What the engine needs beyond the groups' nodes: each group's exit edges and who
         feeds whom, the roots' direct exits, the leaves' hooks; ``may_chain``: look for
-        groups whose exits chain (impossible when groups are disjoint)."""
+        groups whose exits chain (impossible when groups are disjoint); ``leaf_hooks`` as
+        for ``__init__``."""
         exits, groups, group_of = self.exits, self.groups, self.group_of
         # The dicts of the leaves' Python post hooks (functions.post_hooks_of): the engine
         # runs them once per pass, with the leaf's whole gradient of the pass.
-        self.post_hooks = {node: hooks for node in leaves if (hooks := post_hooks_of(node)) is not None}
+        self.post_hooks = {node: hooks for node in leaves if (hooks := _post_hooks_of(node, leaf_hooks)) is not None}
         for group in groups:
             seen = set()
             for node in group.nodes:
@@ -393,7 +398,7 @@ def plan_for(ctx: DistAutogradContext, local_edges: list | None) -> Plan:
     for message_id, node in ctx._send_functions().items():  # (by message id)
         part = parts.get(message_id)  # (walked ahead of time: its edges are the node's)
         roots[message_id] = part.edges if part is not None else [(node, slot) for slot in range(len(node.next_functions))]
-    plan = Plan(roots, parts=parts)
+    plan = Plan(roots, parts=parts, leaf_hooks=ctx.leaf_hooks)
     # (the local root, None for none; the plan; the send functions' version it was built at)
     ctx.plan_cache = (local, plan, version)
     return plan
@@ -406,7 +411,7 @@ def prepare_part(ctx: DistAutogradContext, message_id: int) -> None:
     if node is None or message_id in ctx.part_cache:
         return
     try:
-        ctx.part_cache[message_id] = _Part([(node, slot) for slot in range(len(node.next_functions))])
+        ctx.part_cache[message_id] = _Part([(node, slot) for slot in range(len(node.next_functions))], ctx.leaf_hooks)
     except Exception:  # noqa: BLE001 - the plan walks it again, and reports what fails
         log.debug("walking send function %d of context %d ahead of time failed", message_id, ctx.context_id, exc_info=True)
 
@@ -425,6 +430,22 @@ def prepare_plan(ctx: DistAutogradContext) -> None:
         log.debug("building the plan of context %d ahead of time failed", ctx.context_id, exc_info=True)
 
 _LEAF_TYPE = _ACCUMULATE_GRAD_TYPE
+
+_NOT_FOUND = object()
+
+
+def _post_hooks_of(node: Any, found: dict | None) -> dict | None:
+    """functions.post_hooks_of(node), looked up once per context: ``found`` (a context's
+    ``leaf_hooks``) keeps what it gave. A node keeps one dict of Python post hooks for its
+    life (hooks registered later land in it), and the probe that finds it registers and
+    removes a hook, tens of microseconds in situ: the caller of a fan-out to n workers has a
+    part per call, each into the same leaves."""
+    if found is None:
+        return post_hooks_of(node)
+    hooks = found.get(node, _NOT_FOUND)
+    if hooks is _NOT_FOUND:
+        hooks = found[node] = post_hooks_of(node)
+    return hooks  # type: ignore[return-value]
 
 def _exit_kind(node: Any) -> bool | None:
     """Where a walk of the graph stops: True at a leaf (AccumulateGrad), False at a recv

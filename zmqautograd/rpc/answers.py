@@ -131,7 +131,8 @@ class Answers:
         try:
             with self.pool.blocking() if self.pool.owns_current_thread() else _NOT_BLOCKING:
                 while not done():
-                    self.endpoint.wait_until(ready)
+                    # Work the layers above deferred from the calls runs when nothing came.
+                    self.endpoint.wait_until(ready, idle=self.hooks.while_waiting)
                     self._complete_taken(items)
         finally:
             for future in futures:

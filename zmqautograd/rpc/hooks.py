@@ -64,6 +64,13 @@ class CallHooks(Protocol):
         """An answer of a hooked type, before its value is handed to the caller."""
         ...
 
+    def while_waiting(self) -> bool:
+        """This thread waits for answers to calls it made (an ``rpc_async`` future's
+        ``wait``) and has nothing else to do: one piece of the work deferred from those calls
+        (it runs while their answers travel, instead of later on a critical path); whether
+        more remains. Short; must not block or raise."""
+        ...
+
     # ------------------------------------------------------------------ calls we serve
 
     def call_arrived(self, message: Message) -> Any:
@@ -128,6 +135,9 @@ class NoCallHooks:
 
     def answer_arrived(self, sender: int, payload: dict, tensors: list) -> None:
         pass
+
+    def while_waiting(self) -> bool:
+        return False
 
     def call_arrived(self, message: Message) -> Any:
         if message.type is MessageType.FORWARD_AUTOGRAD_REQ:
