@@ -265,6 +265,23 @@ def test_calls_per_message_counts_a_one_hop_step():
 
 
 @pytest.mark.timeout(240)
+def test_phases_splits_a_fan_out_step_into_its_phases():
+    """tools/lab/phases.py fan4, ours alone: every phase of the fan-out step gets a time, and
+    the step's gradients were right (the tool checks them each step; a wrong one fails it)."""
+    import subprocess
+
+    from tools.lab.phases import FAN_PHASES
+
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "lab", "phases.py"), "fan4", "--steps", "20",
+                           "--launches", "1", "--frameworks", "zmq"], capture_output=True, text=True, timeout=220, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line[:24].strip(): line[24:].split() for line in done.stdout.splitlines()[3:]}
+    assert set(rows) == set(FAN_PHASES) | {"whole step"}, done.stdout
+    for cells in rows.values():
+        assert cells[0] == "-" and float(cells[1].replace(",", "")) > 0 and cells[2] == "us", done.stdout
+
+
+@pytest.mark.timeout(240)
 def test_bench_scale_prints_both_frameworks_and_their_ratios():
     """tools/bench_scale.py, as small as it goes: one launch of each framework, world 2 (one
     hop, 2 threads, a chain of 2)."""

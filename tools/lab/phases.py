@@ -3,13 +3,15 @@
 The bench (tools/bench.py) times whole steps; this splits the one-hop step or the 4-stage
 pipeline step of the bench into what the caller sees: entering the context, the local stage,
 each ``rpc_sync`` of the forward, the loss, ``backward``, ``get_gradients`` (one hop) and
-leaving the context (which releases it everywhere). Each framework runs alone in its own
+leaving the context (which releases it everywhere). ``fan4`` and ``fan8`` split the fan-out
+step of tools/bench_scale.py (world 4 and 8) the same way: the ``rpc_async`` calls, the
+waits for their answers, the loss, ``backward``, ``get_gradients``. Each framework runs alone in its own
 processes (one intra-op thread each), the launches alternating (TensorPipe, zmqautograd,
 TensorPipe, ...); a phase's figure is the median over its steps, and the table gives the
 median over launches and the ratio zmqautograd / TensorPipe. It answers "which half of the
 step is behind" (e.g. the forward's calls or the backward's messages) before any tracing.
 
-    python tools/phases.py hop|pipe [--steps 1000] [--launches 2] [--frameworks tp,zmq]
+    python tools/lab/phases.py hop|pipe|fan4|fan8 [--steps 1000] [--launches 2] [--frameworks tp,zmq]
 
 ``--frameworks zmq`` measures ours alone (TensorPipe's ``init_rpc`` needs numpy, which only
 the benchmark's extras install): its column and the ratios then show "-".
@@ -18,6 +20,7 @@ the benchmark's extras install): its column and the ratios then show "-".
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -38,6 +41,7 @@ FRAMEWORKS = {"tp": "TensorPipe", "zmq": "zmqautograd"}  # key -> the table's he
 STAGES = ("worker1", "worker2", "worker3")
 HOP_PHASES = ["enter", "rpc_sync", "loss", "backward", "get_gradients", "exit"]
 PIPELINE_PHASES = ["enter", "stage 0 (local)"] + [f"rpc_sync to {w}" for w in STAGES] + ["loss", "backward", "exit"]
+FAN_PHASES = ["enter", "rpc_async calls", "their waits", "loss", "backward", "get_gradients", "exit"]
 
 
 def hop_step(rpc, autograd, x, clock) -> list[float]:
@@ -77,10 +81,37 @@ def pipeline_step(rpc, autograd, x, clock) -> list[float]:
     return marks
 
 
+def fan_step(rpc, autograd, x, clock, world: int) -> list[float]:
+    """A fan-out step of tools/bench_scale.py (the driver calls its ``world - 1`` workers at
+    once, sums, backward), with a mark at each boundary of FAN_PHASES: its backward is where
+    a wide fan-out fell behind TensorPipe (docs/performance.md)."""
+    workers = [f"worker{rank}" for rank in range(1, world)]
+    marks = [clock()]
+    with autograd.context() as context_id:
+        marks.append(clock())
+        futures = [rpc.rpc_async(worker, torch.mul, args=(x, 2)) for worker in workers]
+        marks.append(clock())
+        values = [future.wait() for future in futures]
+        marks.append(clock())
+        loss = torch.stack(values).sum()
+        marks.append(clock())
+        autograd.backward(context_id, [loss])
+        marks.append(clock())
+        grad = autograd.get_gradients(context_id)[x]
+        marks.append(clock())
+    marks.append(clock())
+    if not bool((grad == 2 * len(workers)).all()):
+        raise AssertionError(f"fan-out to {len(workers)}: gradient {grad} instead of {2 * len(workers)}s")
+    return marks
+
+
 # kind -> (processes, phase names, the step, its input, as the bench's)
 KINDS = {
     "hop": (2, HOP_PHASES, hop_step, lambda: torch.ones(2, requires_grad=True)),
     "pipe": (4, PIPELINE_PHASES, pipeline_step, lambda: torch.randn(32, WIDTH, requires_grad=True)),
+    # bench_scale.py's fan-out rows (4 by 16 inputs), world 4 and 8
+    **{f"fan{world}": (world, FAN_PHASES, functools.partial(fan_step, world=world),
+                       lambda: torch.randn(4, 16, requires_grad=True)) for world in (4, 8)},
 }
 
 
