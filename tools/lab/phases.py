@@ -44,6 +44,15 @@ PIPELINE_PHASES = ["enter", "stage 0 (local)"] + [f"rpc_sync to {w}" for w in ST
 FAN_PHASES = ["enter", "rpc_async calls", "their waits", "loss", "backward", "get_gradients", "exit"]
 
 
+def _backward_marked(autograd, context_id: int, loss, x, marks: list, clock) -> torch.Tensor:
+    """``backward`` and ``get_gradients`` (``x``'s gradient), each followed by a mark."""
+    autograd.backward(context_id, [loss])
+    marks.append(clock())
+    grad = autograd.get_gradients(context_id)[x]
+    marks.append(clock())
+    return grad
+
+
 def hop_step(rpc, autograd, x, clock) -> list[float]:
     """The one-hop step of the bench, with a mark at each boundary of HOP_PHASES."""
     marks = [clock()]
@@ -53,10 +62,7 @@ def hop_step(rpc, autograd, x, clock) -> list[float]:
         marks.append(clock())
         loss = y.sum()
         marks.append(clock())
-        autograd.backward(context_id, [loss])
-        marks.append(clock())
-        grad = autograd.get_gradients(context_id)[x]
-        marks.append(clock())
+        grad = _backward_marked(autograd, context_id, loss, x, marks, clock)
     marks.append(clock())
     if grad[0] != 2:
         raise AssertionError(f"one hop: gradient {grad} instead of 2")
@@ -95,10 +101,7 @@ def fan_step(rpc, autograd, x, clock, world: int) -> list[float]:
         marks.append(clock())
         loss = torch.stack(values).sum()
         marks.append(clock())
-        autograd.backward(context_id, [loss])
-        marks.append(clock())
-        grad = autograd.get_gradients(context_id)[x]
-        marks.append(clock())
+        grad = _backward_marked(autograd, context_id, loss, x, marks, clock)
     marks.append(clock())
     if not bool((grad == 2 * len(workers)).all()):
         raise AssertionError(f"fan-out to {len(workers)}: gradient {grad} instead of {2 * len(workers)}s")
