@@ -5,10 +5,10 @@ pipeline step of the bench into what the caller sees: entering the context, the 
 each ``rpc_sync`` of the forward, the loss, ``backward``, ``get_gradients`` (one hop) and
 leaving the context (which releases it everywhere). ``fan4`` and ``fan8`` split the fan-out
 step of tools/bench_scale.py (world 4 and 8) the same way: the ``rpc_async`` calls, the
-waits for their answers, the loss, ``backward``, ``get_gradients``. Each framework runs alone in its own
-processes (one intra-op thread each), the launches alternating (TensorPipe, zmqautograd,
-TensorPipe, ...); a phase's figure is the median over its steps, and the table gives the
-median over launches and the ratio zmqautograd / TensorPipe. It answers "which half of the
+waits for their answers, the loss, ``backward``, ``get_gradients``. Each framework runs
+alone in its own processes (one intra-op thread each), the launches alternating
+(TensorPipe, zmqautograd, TensorPipe, ...); a phase's figure is the median over its steps,
+and the table gives the median over launches and the ratio zmqautograd / TensorPipe. It answers "which half of the
 step is behind" (e.g. the forward's calls or the backward's messages) before any tracing.
 
     python tools/lab/phases.py hop|pipe|fan4|fan8 [--steps 1000] [--launches 2] [--frameworks tp,zmq]
@@ -104,7 +104,7 @@ def fan_step(rpc, autograd, x, clock, world: int) -> list[float]:
         grad = _backward_marked(autograd, context_id, loss, x, marks, clock)
     marks.append(clock())
     if not bool((grad == 2 * len(workers)).all()):
-        raise AssertionError(f"fan-out to {len(workers)}: gradient {grad} instead of {2 * len(workers)}s")
+        raise AssertionError(f"fan-out to {len(workers)}: gradient {grad} instead of {2 * len(workers)} everywhere")
     return marks
 
 
