@@ -572,9 +572,9 @@ def test_send_functions_are_listed_by_message_id_whatever_order_they_were_record
 def test_the_parts_of_async_calls_are_built_while_their_caller_waits(group, monkeypatch):
     """AutogradHooks.while_waiting: the plan parts of a fan-out's rpc_async calls (their
     send functions' walks) are built while the caller waits for the answers, one at a time,
-    not in its backward pass; every call sends the same leaf, whose post-hook dict is looked up once
-    per context (plan._post_hooks_of), and a post hook registered after that lookup still
-    runs, once, on the leaf's whole gradient."""
+    not in its backward pass; every call sends the same leaf, whose post-hook dict is
+    looked up once per context (plan._post_hooks_of), and a post hook registered after that
+    lookup still runs, once, on the leaf's whole gradient."""
     from zmqautograd.autograd import plan as planning
     from zmqautograd.autograd import port
 

@@ -339,29 +339,33 @@ def test_wait_until_returns_when_woken_or_at_its_timeout():
         endpoint.close()
 
 
-def test_wait_until_does_its_idle_work_once_where_it_would_wait():
-    """wait_until's ``idle``: done once, the first time the wait finds its condition false,
-    before the thread spins or sleeps and before it arms its waiter (nobody spends a
-    wake-up on it meanwhile); never when the condition holds at once. A condition that the
-    idle work makes true ends the wait without a sleep."""
+def test_wait_until_does_its_idle_work_where_it_would_wait():
+    """wait_until's ``idle`` on a thread that does not spin (no rings here): every piece, the
+    first time the wait finds its condition false, before the thread sleeps and before it
+    arms its waiter (nobody spends a wake-up on it meanwhile); never when the condition
+    holds at once. A condition that the idle work makes true ends the wait without a sleep;
+    a wait that times out did its work once."""
     endpoint = Endpoint("idles")
     try:
         done: list = []
-        assert endpoint.wait_until(lambda: True, 5, idle=lambda: done.append("idle")) is True
+        assert endpoint.wait_until(lambda: True, 5, idle=lambda: bool(done.append("idle"))) is True
         assert done == []
         waiter = endpoint.waiter()
         flag = threading.Event()
 
-        def work() -> None:
+        def work() -> bool:  # three pieces; the last makes the condition true
             done.append(waiter.waiting)
+            if len(done) < 3:
+                return True
             flag.set()
+            return False
 
         start = time.monotonic()
         assert endpoint.wait_until(flag.is_set, 30, idle=work) is True
         assert time.monotonic() - start < 10
-        assert done == [False]
-        assert endpoint.wait_until(lambda: False, 0.2, idle=lambda: done.append("again")) is False
-        assert done == [False, "again"]
+        assert done == [False, False, False]
+        assert endpoint.wait_until(lambda: False, 0.2, idle=lambda: bool(done.append("again"))) is False
+        assert done == [False, False, False, "again"]
     finally:
         endpoint.close()
 
