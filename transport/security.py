@@ -211,12 +211,16 @@ class Membership:
         return _zap_admission(request_id, name.encode()), name, ""
 
     def _authenticate(self, mechanism: bytes, credentials: list[bytes]) -> str:
+        # Whether we are sealed is read before the credentials are looked up: the thread that
+        # admits members seals after it, so sealed then means every member is visible now.
+        # Read after, a lookup that just missed a member admitted meanwhile would refuse it.
+        unknown = Refusal if self.sealed else NotYetKnown
         if mechanism != self.mechanism.upper().encode():
             raise Refusal(f"mechanism {mechanism.decode(errors='replace')!r}, this group uses {self.mechanism.upper()}")
         if self.mechanism == "curve":
             name = self._by_curve_key.get(credentials[0] if credentials else b"")
             if name is None:
-                raise (Refusal if self.sealed else NotYetKnown)("a CURVE key that no member has")
+                raise unknown("a CURVE key that no member has")
             return name
         if len(credentials) != 2:
             raise Refusal("malformed PLAIN credentials")
@@ -226,7 +230,7 @@ class Membership:
             raise Refusal("a user name that is not UTF-8") from None
         token = self._members.get(name)
         if token is None:
-            raise (Refusal if self.sealed else NotYetKnown)(f"{name[:60]!r} is not a member")
+            raise unknown(f"{name[:60]!r} is not a member")
         if not hmac.compare_digest(self._password(token, name, self.name).encode(), credentials[1]):
             raise Refusal(f"wrong credentials for member {name!r}")
         return name
