@@ -124,22 +124,26 @@ class Membership:
         return cls(name, Credentials.generate(mechanism), secret)
 
     def admit(self, name: str, public: bytes | str) -> None:
-        """Make ``name`` a member, proven by ``public`` (its ``Credentials.public``)."""
+        """Make ``name`` a member, proven by ``public`` (its ``Credentials.public``). The I/O
+        thread reads these tables while this runs on another: the name is a member before
+        the key that leads to it is in the ZAP handler's table."""
         public = public.encode() if isinstance(public, str) else bytes(public)
+        raw = b""
         if self.mechanism == "curve":
             try:
                 raw = z85.decode(public)
             except (ValueError, TypeError, KeyError):  # not z85
-                raw = b""
+                pass
             if len(public) != 40 or len(raw) != 32:
                 raise ValueError(f"member {name!r}: malformed CURVE public key")
-            self._by_curve_key[raw] = name
         elif not public:
             raise ValueError(f"member {name!r}: empty token")
         previous = self._members.get(name)
-        if previous is not None and previous != public and self.mechanism == "curve":
-            self._by_curve_key.pop(z85.decode(previous), None)
         self._members[name] = public
+        if self.mechanism == "curve":
+            if previous is not None and previous != public:
+                self._by_curve_key.pop(z85.decode(previous), None)
+            self._by_curve_key[raw] = name
 
     def seal(self) -> None:
         """Every member is admitted: credentials of anybody else are refused from now on

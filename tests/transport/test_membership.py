@@ -64,3 +64,22 @@ def test_a_member_admitted_during_the_lookup_is_held_then_admitted_never_refused
     # Sealed, strangers are refused at once, not held.
     reply, admitted, why = server.zap_reply(_zap_request(stranger, "2"), lambda name: True)
     assert reply[2] == b"400" and admitted is None and why
+
+
+def test_a_key_leads_to_a_name_that_is_already_a_member():
+    """What the ZAP handler admits by key, the HELLO check finds among the members: admit()
+    makes the name a member before its key enters the handler's table (a new member, and
+    one whose key changed)."""
+    server = Membership.generate("2", "curve")
+    seen: list[bool] = []
+
+    class _Table(dict):
+        def __setitem__(self, key, name):
+            seen.append(name in server)
+            super().__setitem__(key, name)
+
+    server._by_curve_key = _Table()
+    server.admit("1", Membership.generate("1", "curve").own.public)
+    server.admit("1", Membership.generate("1", "curve").own.public)  # joined again, a new key
+    assert seen == [True, True]
+    assert len(server._by_curve_key) == 1  # the old key leads nowhere
