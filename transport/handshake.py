@@ -45,9 +45,18 @@ class Handshake:
         # (Plain ints: with pyzmq's flag enums, each look built two enum members in Python,
         # on every turn of the I/O thread.)
         while zap.get(_EVENTS) & _POLLIN:
-            self._answer_zap(zap.recv_multipart(), time.monotonic() + self.options.connect_timeout)
+            frames = zap.recv_multipart()
+            # A ROUTER, not a REP: it may hold a request and take the next (a REP takes none
+            # until it answers, so one held stranger stalled every connection after it).
+            # libzmq's ZAP client sends an empty delimiter first; the route is what precedes it.
+            try:
+                split = frames.index(b"") + 1
+            except ValueError:
+                log.warning("endpoint %s: a ZAP request without a delimiter, dropped", self.identity)
+                continue
+            self._answer_zap(frames[:split], frames[split:], time.monotonic() + self.options.connect_timeout)
 
-    def _answer_zap(self: Endpoint, request: list[bytes], deadline: float) -> None:
+    def _answer_zap(self: Endpoint, route: list[bytes], request: list[bytes], deadline: float) -> None:
         zap, guard = self._zap_and_guard()
         try:
             reply, admitted, why = guard.zap_reply(request, self._admissible)
@@ -57,27 +66,27 @@ class Handshake:
             # number: strangers cannot make us hold more.
             held = self._zap_held
             if len(held) >= _ZAP_HELD_MAX:
-                oldest = held.popleft()[0]
-                self._answer_zap_refused(oldest, "too many connections waiting to be identified")
-            held.append((request, deadline, str(exc)))
+                oldest_route, oldest = held.popleft()[:2]
+                self._answer_zap_refused(oldest_route, oldest, "too many connections waiting to be identified")
+            held.append((route, request, deadline, str(exc)))
             return
-        zap.send_multipart(reply)
+        zap.send_multipart(route + reply)
         if admitted is None:
             self._refused(f"a connection from {_zap_address(request)}", why)
 
-    def _answer_zap_refused(self: Endpoint, request: list[bytes], why: str) -> None:
-        self._zap_and_guard()[0].send_multipart(zap_refusal(request[1] if len(request) > 1 else b""))
+    def _answer_zap_refused(self: Endpoint, route: list[bytes], request: list[bytes], why: str) -> None:
+        self._zap_and_guard()[0].send_multipart(route + zap_refusal(request[1] if len(request) > 1 else b""))
         self._refused(f"a connection from {_zap_address(request)}", why)
 
     def _answer_held_zap(self: Endpoint, now: float | None = None) -> None:
         """Held ZAP requests again (membership changed), or refused (``now`` past their
         deadline)."""
-        held, self._zap_held = self._zap_held, deque[list[bytes]]()
-        for request, deadline, why in held:
+        held, self._zap_held = self._zap_held, deque[tuple[list[bytes], list[bytes], float, str]]()
+        for route, request, deadline, why in held:
             if now is not None and now >= deadline:
-                self._answer_zap_refused(request, why)
+                self._answer_zap_refused(route, request, why)
             else:
-                self._answer_zap(request, deadline)
+                self._answer_zap(route, request, deadline)
 
     def members_changed(self: Endpoint) -> None:
         """Tell the endpoint that its membership admitted members (or was sealed): held

@@ -166,9 +166,9 @@ class IoThread:
         if self._guard is None and self.options.cluster_secret:
             self._guard = ClusterKeys.from_secret(self.options.cluster_secret)
         self._zap = None
-        self._zap_held: deque = deque()  # (request, deadline, why) of not yet known credentials
+        self._zap_held: deque = deque()  # (route, request, deadline, why) of not yet known credentials
         if self._guard is not None:
-            zap = self._context.socket(zmq.REP)  # this thread answers libzmq's auth requests
+            zap = self._context.socket(zmq.ROUTER)  # this thread answers libzmq's auth requests
             self._zap = _opened(zap)
             zap.bind(ZAP_ENDPOINT)
             self._guard.configure_listener(router)

@@ -1,14 +1,19 @@
-"""ZAP answers of a membership (transport/security.py) while another thread admits the
-members: a member's credentials are never refused because they were admitted between the
-handler's lookup and its look at whether the membership is sealed."""
+"""ZAP answers of a membership (transport/security.py, transport/handshake.py): a member's
+credentials are never refused because another thread admitted them between the handler's
+lookup and its look at whether the membership is sealed, and connections held because
+nobody knows their credentials yet (strangers, perhaps) do not hold up the members'."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import pytest
+import zmq
 from zmq.utils import z85
 
+from tests.conftest import poll_until
+from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 from zmqautograd.transport.security import Membership, NotYetKnown
 
 pytestmark = pytest.mark.timeout(30)
@@ -83,3 +88,64 @@ def test_a_key_leads_to_a_name_that_is_already_a_member():
     server.admit("1", Membership.generate("1", "curve").own.public)  # joined again, a new key
     assert seen == [True, True]
     assert len(server._by_curve_key) == 1  # the old key leads nowhere
+
+
+@contextlib.contextmanager
+def _strangers(address: str, server_key: bytes, count: int) -> Iterator[None]:
+    """``count`` raw CURVE clients with keys of their own, connected to ``address``."""
+    context = zmq.Context()
+    dealers = []  # (a socket nobody refers to is closed)
+    try:
+        for _ in range(count):
+            dealer = context.socket(zmq.DEALER)
+            dealers.append(dealer)
+            dealer.setsockopt(zmq.LINGER, 0)
+            public, secret = zmq.curve_keypair()
+            dealer.curve_serverkey, dealer.curve_publickey, dealer.curve_secretkey = server_key, public, secret
+            dealer.connect(address)
+        yield
+    finally:
+        context.destroy(linger=0)
+
+
+def test_a_held_stranger_does_not_hold_up_a_member_who_connects_after_it():
+    """An endpoint that may still admit members (a dynamic group's) holds a connection with
+    unknown credentials until its deadline. A member admitted meanwhile connects at once:
+    with a REP socket as the ZAP handler, no request was taken until the held one was
+    answered, and the member waited for the stranger's deadline (60 s here)."""
+    membership = Membership.generate("server", "curve")
+    server = Endpoint("server", "tcp://127.0.0.1:0", on_message=lambda m: None, membership=membership,
+                      options=EndpointOptions(connect_timeout=60))
+    member = None
+    try:
+        with _strangers(server.address, membership.own.public, 1):
+            poll_until(lambda: len(server._zap_held) == 1, 10, "the stranger's connection held")
+            joining = Membership.generate("member", "curve")
+            joining.admit("server", membership.own.public)
+            membership.admit("member", joining.own.public)
+            server.members_changed()
+            member = Endpoint("member", on_message=lambda m: None, membership=joining)
+            member.connect("server", server.address)
+            member.wait_for_peer("server", 10)
+            assert server.refused_connections == 0 and len(server._zap_held) == 1  # still held
+            membership.seal()
+            server.members_changed()
+            poll_until(lambda: server.refused_connections == 1, 10, "the stranger refused once sealed")
+            assert not server._zap_held
+    finally:
+        if member is not None:
+            member.close()
+        server.close()
+
+
+def test_strangers_beyond_the_bound_are_refused_not_held():
+    """At most 64 connections are held; each one beyond refuses the oldest."""
+    membership = Membership.generate("server", "curve")
+    server = Endpoint("server", "tcp://127.0.0.1:0", on_message=lambda m: None, membership=membership,
+                      options=EndpointOptions(connect_timeout=60))
+    try:
+        with _strangers(server.address, membership.own.public, 70):
+            poll_until(lambda: server.refused_connections >= 6, 20, "six strangers refused")
+            assert len(server._zap_held) == 64
+    finally:
+        server.close()
