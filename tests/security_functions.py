@@ -39,6 +39,11 @@ def refused_connections() -> int:
     return _agent().endpoint.refused_connections
 
 
+def held_connections() -> int:
+    """Connections whose credentials nobody admitted yet, held by the ZAP handler."""
+    return len(_agent().endpoint._zap_held)
+
+
 def protocol_errors(peer: str | None = None) -> int:
     stats = _agent().endpoint.stats()
     return sum(s.protocol_errors for name, s in stats.items() if peer is None or name == peer)
