@@ -593,13 +593,23 @@ def test_a_thread_spins_only_while_what_it_waits_for_comes_within_a_spin():
 
 
 @pytest.mark.skipif(transport_waiter.EXCLUSIVE is None, reason="waiting threads spin only where they read (Linux)")
-def test_a_spinning_wait_does_its_idle_work_between_looks():
+def test_a_spinning_wait_does_its_idle_work_between_looks(monkeypatch):
     """wait_until's ``idle`` on a thread that spins: a piece of it between looks at the
     input instead of a yield, while the process stays marked as spinning (peers that write
     to its rings need not ring its doorbell), until no piece remains; the wait then ends as
-    any does, when its condition holds."""
+    any does, when its condition holds, seen by the spin (nothing wakes a sleeper here)."""
     with _paired(spin=60.0, heartbeat_interval=5.0, peer_timeout=60.0) as (a, b, _lost):
         pieces: list = []
+        sleeps: list = []
+        waiter_type = type(b.waiter())
+        sleep = waiter_type.sleep
+
+        def counted_sleep(waiter, timeout):
+            if threading.current_thread() is threading.main_thread():
+                sleeps.append(timeout)
+            return sleep(waiter, timeout)
+
+        monkeypatch.setattr(waiter_type, "sleep", counted_sleep)
 
         def work() -> bool:
             pieces.append(b._spinning)
@@ -613,9 +623,8 @@ def test_a_spinning_wait_does_its_idle_work_between_looks():
 
         ender = threading.Thread(target=end_the_wait_after_the_work, daemon=True)
         ender.start()
-        start = time.monotonic()
         assert b.wait_until(done.is_set, 30, idle=work) is True
-        assert time.monotonic() - start < 10  # seen by the spin, not after the sleep timed out
+        assert sleeps == []  # seen by the spin, not after a sleep timed out
         ender.join(30)
         assert pieces == [True, True, True]
 
