@@ -8,8 +8,9 @@ step of tools/bench_scale.py (world 4 and 8) the same way: the ``rpc_async`` cal
 waits for their answers, the loss, ``backward``, ``get_gradients``. Each framework runs
 alone in its own processes (one intra-op thread each), the launches alternating
 (TensorPipe, zmqautograd, TensorPipe, ...); a phase's figure is the median over its steps,
-and the table gives the median over launches and the ratio zmqautograd / TensorPipe. It answers "which half of the
-step is behind" (e.g. the forward's calls or the backward's messages) before any tracing.
+and the table gives the median over launches and the ratio zmqautograd / TensorPipe. It
+answers "which half of the step is behind" (e.g. the forward's calls or the backward's
+messages) before any tracing.
 
     python tools/lab/phases.py hop|pipe|fan4|fan8 [--steps 1000] [--launches 2] [--frameworks tp,zmq]
 
