@@ -15,7 +15,6 @@ import signal
 
 import pytest
 import torch
-import zmq
 
 import zmqautograd.autograd as dist_autograd  # (before any init_rpc: its hooks join every agent)
 import zmqautograd.rpc as rpc
@@ -25,6 +24,7 @@ from tests import rpc_functions as f
 from tests import security_functions as sf
 from tests.conftest import poll_until
 from tests.rpc_harness import free_port
+from tests.transport.test_membership import _strangers
 from tests.transport.test_shm import _mapped_rings
 
 pytestmark = pytest.mark.timeout(180)
@@ -177,20 +177,12 @@ def test_a_stranger_at_a_members_port_does_not_hold_up_who_joins_next(cluster):
     failed."""
     assert cluster.join(5, "w5")[1] == "joined"
     address, key = rpc.rpc_sync("w5", sf.address), rpc.rpc_sync("w5", sf.credential)
-    context = zmq.Context()
-    try:
-        stranger = context.socket(zmq.DEALER)
-        stranger.setsockopt(zmq.LINGER, 0)
-        public, secret = zmq.curve_keypair()
-        stranger.curve_serverkey, stranger.curve_publickey, stranger.curve_secretkey = key.encode(), public, secret
-        stranger.connect(address)
+    with _strangers(address, key.encode(), 1):
         poll_until(lambda: rpc.rpc_sync("w5", sf.held_connections) == 1, 10, "the stranger held at w5")
         assert cluster.join(1, "w1") == ("w1", "joined", ["w0", "w1", "w5"])
         assert cluster.tell("w1", "w5") == ("w1", "called", "w5")
         # Still held (not refused at its deadline, when a stalled w1 would have got through).
         assert rpc.rpc_sync("w5", sf.held_connections) == 1
-    finally:
-        context.destroy(linger=0)
 
 
 def test_a_member_that_dies_is_lost_and_does_not_hold_up_who_joins_next(cluster):
