@@ -29,6 +29,7 @@ from zmqautograd.transport.endpoint import Endpoint, EndpointOptions
 from zmqautograd.transport.errors import RemoteProtocolError
 
 from tests.transport.test_endpoint import Client, _runnable_share
+from tests.transport.test_waiting_threads import sleeps_of
 from tests.workers import start_server
 
 pytestmark = [
@@ -600,16 +601,7 @@ def test_a_spinning_wait_does_its_idle_work_between_looks(monkeypatch):
     any does, when its condition holds, seen by the spin (nothing wakes a sleeper here)."""
     with _paired(spin=60.0, heartbeat_interval=5.0, peer_timeout=60.0) as (a, b, _lost):
         pieces: list = []
-        sleeps: list = []
-        waiter_type = type(b.waiter())
-        sleep = waiter_type.sleep
-
-        def counted_sleep(waiter, timeout):
-            if threading.current_thread() is threading.main_thread():
-                sleeps.append(timeout)
-            return sleep(waiter, timeout)
-
-        monkeypatch.setattr(waiter_type, "sleep", counted_sleep)
+        sleeps = sleeps_of(monkeypatch, b.waiter())  # (this thread's, which waits below)
 
         def work() -> bool:
             pieces.append(b._spinning)

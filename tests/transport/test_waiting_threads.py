@@ -40,6 +40,21 @@ class ReceivingThreads:
         return self.names.count(name) / len(self.names)
 
 
+def sleeps_of(monkeypatch, waiter) -> list:
+    """The timeouts of ``waiter``'s sleeps from now on (its class's ``sleep``, wrapped for
+    the test): a wait that must end without sleeping leaves it empty."""
+    sleeps: list = []
+    sleep = type(waiter).sleep
+
+    def counted_sleep(sleeper, timeout):
+        if sleeper is waiter:
+            sleeps.append(timeout)
+        return sleep(sleeper, timeout)
+
+    monkeypatch.setattr(type(waiter), "sleep", counted_sleep)
+    return sleeps
+
+
 def _echo_pair(server_options: dict, client_options: dict, server_receivers=None):
     """An echo server and a pull-style client, both in this process, on loopback TCP."""
     server: Endpoint | None = None
@@ -352,15 +367,7 @@ def test_wait_until_does_its_idle_work_where_it_would_wait(monkeypatch):
         assert done == []
         waiter = endpoint.waiter()
         flag = threading.Event()
-        sleeps: list = []
-        sleep = type(waiter).sleep
-
-        def counted_sleep(sleeper, timeout):
-            if sleeper is waiter:
-                sleeps.append(timeout)
-            return sleep(sleeper, timeout)
-
-        monkeypatch.setattr(type(waiter), "sleep", counted_sleep)
+        sleeps = sleeps_of(monkeypatch, waiter)
 
         def work() -> bool:  # three pieces; the last makes the condition true
             done.append(waiter.waiting)
