@@ -142,7 +142,7 @@ def read_store(host: str, port: int, world_size: int) -> dict:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)  # (the store is not up yet)
-    keys = [f"zmqautograd/1/member/{rank}" for rank in range(world_size)]
+    keys = [f"zmqautograd/1/member/{rank}/1" for rank in range(world_size)]  # (each rank's first record)
     store.wait(keys, timedelta(seconds=60))
     return {rank: _record(store.get(key).decode()) for rank, key in enumerate(keys)}
 

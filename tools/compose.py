@@ -36,6 +36,7 @@ import glob
 import os
 import re
 import shutil
+import secrets
 import signal
 import subprocess
 import sys
@@ -363,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # cleans up through the finally blocks
     try:
         with engine(may_start=not args.no_start) as env:
+            # The cluster's secret, made for the containers this starts (docker-compose.yml
+            # passes it on): only they can join the group through the driver's store.
+            if not env.get("ZMQAUTOGRAD_CLUSTER_SECRET"):
+                env["ZMQAUTOGRAD_CLUSTER_SECRET"] = secrets.token_hex(32)
             compose = ensure_compose(env)
             build(env, base_image(env, args.base))
             run_demo(compose, env)

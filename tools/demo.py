@@ -38,6 +38,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import zmqautograd.autograd as dist_autograd  # noqa: E402
 import zmqautograd.rpc as rpc  # noqa: E402
 from tools import ports  # noqa: E402
+from zmqautograd.rpc import cluster_secret  # noqa: E402
 from zmqautograd.optim import DistributedOptimizer  # noqa: E402
 
 WORKERS = 3
@@ -267,6 +268,9 @@ def main() -> None:
         run(int(os.environ["RANK"]), "env://", args.steps, args.batch, args.busy_poll)
         return
     port = ports.free_port()
+    # The group's cluster secret, made for the four processes this starts (they inherit it):
+    # only they can join the group (docs/security.md).
+    cluster_secret.for_children()
     # The four processes fork from one server that imported torch and zmqautograd first, so
     # they share one address layout: where they take turns on fewer CPUs than processes,
     # each runs its share faster than with a layout of its own, as spawn gives them

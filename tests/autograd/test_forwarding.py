@@ -156,17 +156,20 @@ def test_an_error_at_the_end_of_a_forwarded_chain_fails_the_pass_and_the_workers
 
 
 def _routed_pass(idle_timeout: float | None = None):
-    """A pass on the worker that calls backward (worker 0) over one send function (message 7)
-    of a tensor received from worker 2 (its message 5): the route this worker publishes."""
+    """A pass on the worker that calls backward (worker 0) over one send function (message 7,
+    whose tensor went to worker 3) of a tensor received from worker 2 (its message 5, token
+    55): the route this worker publishes."""
     from zmqautograd.autograd import engine, functions, routes
     from zmqautograd.autograd import plan as planning
     from zmqautograd.autograd.context import DistAutogradContext
 
     context = DistAutogradContext(1)
     context.add_known_worker(2)
+    context.add_known_worker(3)
     received = torch.randn(3, requires_grad=True)
-    recv, _ = functions.attach_recv_node([received], 1, 5, 2)
+    recv, _ = functions.attach_recv_node([received], 1, 5, 2, token=55)
     send, keep_alive = functions.make_send_node([received])
+    context.add_send_function(7, send, keep_alive, to=3, token=77)
     plan = planning.Plan({7: [(send, 0)]})
     run = engine.Pass(context, plan, 9, False, 0, lambda *args: None, idle_timeout=idle_timeout)
     run.published = routes.routes_for(plan, 0)
@@ -175,14 +178,59 @@ def _routed_pass(idle_timeout: float | None = None):
 
 def test_the_caller_counts_reports_in_any_order():
     run, kept = _routed_pass()
-    assert run.published == [[7, 2, 5, False, [0], 1]]
-    run.settle(101)  # a report that overtook the announcement of its ticket
+    assert run.published == [[7, 2, 5, False, [0], 1, 55]]
+    assert run.take_report([[101, []]], 2) is None  # a report that overtook the announcement of its ticket
     run.expect(100, 3)  # a request to worker 3, which forwards to worker 2 under ticket 101
     assert not run.done.done()
-    run.announce([[101, 7, 2]])
-    assert not run.done.done()  # ticket 100 is still due
-    run.settle(100)
+    assert run.take_report([[100, [[101, 7, 2]]]], 3) is None  # worker 3's: it forwarded to 2
     assert run.done.done() and run.done.value() is None
+
+
+def test_a_delegated_report_settles_each_ticket_of_the_chain():
+    run, kept = _routed_pass()
+    run.expect(100, 3)
+    # Worker 3 forwarded to worker 2 and handed its report on; worker 2 reports both.
+    assert run.take_report([[100, [[101, 7, 2]]], [101, []]], 2) is None
+    assert run.done.done() and run.done.value() is None
+
+
+@pytest.mark.parametrize("report, sender, refused", [
+    ([[100, []]], 2, ("the report of ticket 100 of backward pass 9, which went to worker 3", 2)),
+    ([[100, [[101, 7, 4]]], [101, []]], 2, ("the report of ticket 101 of backward pass 9, which went to worker 4", 2)),
+])
+def test_a_report_of_another_workers_ticket_is_refused_and_the_pass_waits_on(report, sender, refused):
+    run, kept = _routed_pass()
+    run.expect(100, 3)
+    assert run.take_report(report, sender) == refused
+    assert not run.done.done()  # the real report is still due
+
+
+def test_a_forward_claimed_by_a_worker_the_tensors_did_not_go_to_is_refused():
+    run, kept = _routed_pass()
+    run.expect(100, 2)  # (a ticket of worker 2's, which did not get send function 7's tensors)
+    what, whose = run.take_report([[100, [[101, 7, 2]]]], 2)
+    assert "whose tensors went to worker 3, not to worker 2" in what and whose == 2
+    assert not run.done.done()
+
+
+def test_a_second_report_of_a_ticket_is_refused():
+    run, kept = _routed_pass()
+    run.expect(100, 3)
+    run.expect(200, 3)
+    assert run.take_report([[100, []]], 3) is None
+    assert run.take_report([[100, []]], 3) == ("a second report of ticket 100 of backward pass 9", 3)
+    assert not run.done.done()  # ticket 200 is still due
+
+
+def test_a_report_that_came_early_under_another_name_is_refused_when_announced():
+    run, kept = _routed_pass()
+    run.expect(100, 3)
+    assert run.take_report([[101, []]], 4) is None  # early: whose it is, the announcement says
+    what, whose = run.take_report([[100, [[101, 7, 2]]]], 3)
+    assert "which went to worker 2" in what and whose == 4  # (worker 4's claim, not worker 3's)
+    assert not run.done.done()  # worker 2's own report is still due
+    assert run.take_report([[101, []]], 2) is None
+    assert run.done.done()
 
 
 @pytest.mark.parametrize("announcement, error", [
@@ -247,10 +295,11 @@ def test_no_routes_where_the_engine_here_would_run_hooks_or_the_profiler_records
 
 
 @pytest.mark.parametrize("routes", [
-    [[7, 2, 5, False, [1], 1]],  # a slot past the recv function's width
-    [[7, 2, 5, 0, [0], 1]],
-    [[7, 2, 5, False, [0]]],
-    [[7.0, 2, 5, False, [0], 1]],
+    [[7, 2, 5, False, [1], 1, None]],  # a slot past the recv function's width
+    [[7, 2, 5, 0, [0], 1, None]],
+    [[7, 2, 5, False, [0], 1]],
+    [[7.0, 2, 5, False, [0], 1, None]],
+    [[7, 2, 5, False, [0], 1, "55"]],
     [7],
     "routes",
 ])
@@ -264,7 +313,7 @@ def test_malformed_routes_are_errors(routes):
 def test_forwarded_gradients_are_summed_per_slot_or_left_to_the_usual_way():
     from zmqautograd.autograd import routes
 
-    route = routes.parse_routes([[7, 2, 5, False, [1, 1, -1], 2]])[7]
+    route = routes.parse_routes([[7, 2, 5, False, [1, 1, -1], 2, None]])[7]
     metadata = tuple((torch.Size([3]), torch.float32, torch.device("cpu"), torch.strided) for _ in range(3))
     ones = torch.ones(3)
     assert routes.forwarded_gradients(route, [ones, ones, ones], metadata)[0] is None
@@ -290,7 +339,21 @@ def test_malformed_reports_are_errors(report, error):
 
     run, kept = _routed_pass()
     with pytest.raises(RpcError, match=error):
-        api._settle_report(None, run, report, None)
+        api._settle_report(None, run, report, None, 2)
+
+
+def test_a_report_from_a_worker_outside_the_context_is_refused_and_fails_nothing():
+    from types import SimpleNamespace
+
+    from zmqautograd.autograd import api
+    from zmqautograd.rpc.refusals import Refusals
+
+    run, kept = _routed_pass()
+    run.expect(100, 3)
+    agent = SimpleNamespace(hooks=SimpleNamespace(refusals=Refusals("worker 0")))
+    api._settle_report(agent, run, [1, 9, [[100, []]], None, "Error on Node 5: forged"], None, 5)
+    assert agent.hooks.refusals.count(5) == 1
+    assert not run.done.done()
 
 
 def test_a_second_pass_over_a_freed_graph_fails_through_the_reports(group):

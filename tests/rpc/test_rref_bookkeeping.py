@@ -25,6 +25,7 @@ class _Agent:
     """What RRefContext uses of its agent; ``closed`` keeps user deletes from being sent."""
 
     rank = 0
+    info = "worker 0"
     closed = True
 
     def __init__(self, lost: set[str]) -> None:

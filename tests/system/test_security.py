@@ -7,16 +7,13 @@ the limits on what a peer makes a worker hold are kept before memory is spent.""
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 
 from tests.conftest import poll_until
 import torch
-import torch.distributed as dist
 import zmq
 
 from zmqautograd.transport import Codec, Message, MessageType
@@ -30,7 +27,7 @@ from zmqautograd.rpc.serialization import RpcCodec, encode_function
 
 from tests import security_functions as sf
 from tests import stranger
-from tests.rpc_harness import Group, admitted_member, free_port
+from tests.rpc_harness import Group, admitted_member
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = "correct horse battery staple"
@@ -233,47 +230,11 @@ def test_a_member_cannot_release_another_members_rref_fork():
     try:
         rref = rpc.remote("worker1", torch.ones, args=(3,))
         assert torch.equal(rref.to_here(), torch.ones(3))
-        with pytest.raises(RuntimeError, match="held by worker 0"):
+        with pytest.raises(rpc.NotEntitledError, match="which worker 0 holds"):
             rpc.rpc_sync("worker2", rpc.rpc_sync, args=(
                 "worker1", rref_owner._delete_fork, (list(rref.rref_id), list(rref.fork_id))))
         assert torch.equal(rref.to_here(), torch.ones(3))
         del rref
-    finally:
-        group.shutdown()
-
-
-@pytest.mark.timeout(180)
-def test_allowed_functions_restrict_what_peers_may_run(tmp_path):
-    """With ``allowed_functions`` a worker runs only what is listed (and zmqautograd's own
-    protocol): anything else is refused before it is imported, pickles are refused, RRef
-    proxies reach only public methods; remote(), dist autograd and DistributedOptimizer
-    still work over what is allowed."""
-    import zmqautograd.autograd as dist_autograd
-    from zmqautograd.optim import DistributedOptimizer
-
-    marker = tmp_path / "marker"
-    allowed = ["torch.add", "torch.ones", "torch.optim.SGD", "tests.security_functions.allowed",
-               "tests.security_functions.address", "tests.rpc_functions"]
-    group = Group(world_size=2, num_worker_threads=4, rpc_timeout=30, allowed_functions=allowed)
-    try:
-        assert rpc.rpc_sync("worker1", sf.allowed, args=(1,)) == 2
-        for function, args in ((sf.not_allowed, (1,)), (os.system, (f"touch {marker}",)),
-                               (torch.load, (str(marker),)), (torch.save, (torch.ones(1), str(marker)))):
-            with pytest.raises(RuntimeError, match="allowed_functions"):
-                rpc.rpc_sync("worker1", function, args=args)
-        with pytest.raises(RuntimeError, match="pickle"):
-            rpc.rpc_sync("worker1", sf.allowed, args=(stranger._RunsACommand(f"touch {marker}"),))
-        assert not marker.exists()
-        rref = rpc.remote("worker1", torch.ones, args=(2,), kwargs={"requires_grad": True})
-        with pytest.raises(RuntimeError, match="may not be called by peers"):
-            rref.rpc_sync()._version()
-        assert rref.rpc_sync().sum().item() == 2.0
-        with dist_autograd.context() as context_id:
-            loss = rpc.rpc_sync("worker1", torch.add, args=(rref.to_here(), 1.0)).sum()
-            dist_autograd.backward(context_id, [loss])
-            optimizer = DistributedOptimizer(torch.optim.SGD, [rref], lr=0.5)
-            optimizer.step(context_id)
-        assert torch.equal(rref.to_here(), torch.full((2,), 0.5))
     finally:
         group.shutdown()
 
@@ -294,37 +255,6 @@ def test_rendezvous_records_are_checked_against_the_cluster_secret():
             _open(secret, where, value.encode(), 1)
     with pytest.raises(RendezvousError, match="malformed"):
         _open(None, key, b"{not json", 1)
-
-
-@pytest.mark.timeout(120)
-def test_a_forged_member_in_the_store_fails_init_with_the_key_named():
-    """A stranger who can reach the store publishes rank 1's record (pointing at itself);
-    with a cluster secret, rank 0 refuses it, names the key, and never connects to it."""
-    port = free_port()
-    forged = threading.Event()
-
-    def publish_a_fake_member():
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
-                break
-            except RuntimeError:
-                time.sleep(0.05)  # (the store is not up yet)
-        else:
-            return
-        store.set("zmqautograd/1/member/1", json.dumps(
-            {"name": "fake", "rank": 1, "address": "tcp://127.0.0.1:9", "world_size": 2, "devices": {},
-             "credential": "", "mechanism": "curve"}))
-        forged.set()
-
-    thread = threading.Thread(target=publish_a_fake_member, daemon=True)
-    thread.start()
-    with pytest.raises(RendezvousError, match=r"'zmqautograd/\d+/member/1' is not signed"):
-        rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=rpc.ZmqRpcBackendOptions(
-            init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=20, cluster_secret="a cluster secret of 32 bytes!!!!"))
-    assert forged.is_set()
-    thread.join(10)
 
 
 # ------------------------------------------------------------------------- memory limits

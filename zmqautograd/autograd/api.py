@@ -3,6 +3,7 @@ functions other workers call by RPC (gradient requests, context cleanup)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any, Sequence
@@ -11,7 +12,8 @@ import torch
 
 from zmqautograd.transport import MessageType
 
-from ..rpc.errors import RpcError
+from ..rpc import current
+from ..rpc.errors import NotEntitledError, RpcError
 from ..rpc.functions import answered_when_done
 from ..rpc.futures import Outcome, outcome_of
 from ..rpc.serialization import protocol_function
@@ -164,7 +166,8 @@ def _start_pass(agent: AgentPort, ctx: DistAutogradContext, pass_id: int, retain
     if home:  # passes this worker started, by id (found even if the context is gone)
         run.published = routes_for(plan, agent.rank)
         if run.published is not None:  # where the passes of its ticketed requests report
-            run.sink = agent.open_sink(run.post_home, lambda report, error: _settle_report(agent, run, report, error))
+            run.sink = agent.open_sink(
+                run.post_home, lambda report, error, sender: _settle_report(agent, run, report, error, sender))
         _running[pass_id] = run
     with _pass_lock:
         stale, ctx.current_pass = ctx.current_pass, run
@@ -210,7 +213,7 @@ def _send_gradients(info: RecvInfo, grads: list, run: Pass, awaited: bool,
         settled = False
         if error is None and riding is not None:
             try:
-                settled = _accept_gradients(agent, *riding, start=False, settles=run)[0] is run
+                settled = _accept_gradients(agent, *riding, start=False, settles=run, sender=info.from_worker)[0] is run
             except Exception as exc:  # noqa: BLE001 - fails our pass (its _request_done)
                 error = exc
         if error is not None:
@@ -242,21 +245,27 @@ def _fail_if_lost(agent: AgentPort, run: Pass) -> None:
 @answered_when_done
 def _backward_request(context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
                       reply_to: int = -1, ticket: int | None = None, routes: list | None = None,
-                      sink: int | None = None, delegated: list | None = None) -> Outcome:
+                      sink: int | None = None, delegated: list | None = None, token: int | None = None) -> Outcome:
     """On the worker that sent the tensors: the gradients for send function ``message_id``
-    (``reply_to``: the sender, when it waits for the answer). The first request of a pass is
+    (``reply_to`` >= 0: the sender waits for the answer). The first request of a pass is
     answered when this worker's pass is done, with the gradients that ride on the answer if
     any; later ones at once (the seeds' completion protocol). A ``ticket``ed request (one-way,
     from the originator or forwarded) is reported instead, to the originator's ``sink``,
     with the ``routes`` it publishes and the reports ``delegated`` to this one (engine.py,
-    "Forwarding")."""
+    "Forwarding"); a forwarded one shows the send function's ``token``. Only the worker the
+    tensors went to, or one the originator routed them through, is heard (the sender is its
+    connection's worker, never one the payload names)."""
     agent = _agent()
+    sender = current.caller()
+    if sender is None:  # (a member that is no worker of the group: an embedder's extra peer)
+        raise agent.hooks.refusals.refuse(sender, "gradients")
     if ticket is not None:
         ticketed = (ticket, routes, sink, delegated)
-        _ticketed_request(agent, context_id, message_id, pass_id, retain_graph, grads, ticketed)
+        _ticketed_request(agent, context_id, message_id, pass_id, retain_graph, grads, ticketed, sender, token)
         return _ANSWERED
+    requester = None if reply_to < 0 else reply_to if sender is None else sender
     run, first = _accept_gradients(agent, context_id, message_id, pass_id, retain_graph, grads,
-                                   requester=reply_to if reply_to >= 0 else None)
+                                   requester=requester, sender=sender, token=token)
     if first:
         # A failed pass raises here, in the callback: the answer carries its error.
         return run.done.then(lambda done: _riding_gradients(done.value(), pass_id, retain_graph))
@@ -268,18 +277,21 @@ _ANSWERED.set_result(None)
 
 
 def _ticketed_request(agent: AgentPort, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
-                      ticket: tuple) -> None:
+                      ticket: tuple, sender: int | None, token: int | None) -> None:
     """A ticketed request (``_backward_request``): deliver it, and report to the originator
     once the pass it started is done, unless that pass handed its report on with a forward
     (Pass.reported); at once when it joined a running pass (someone else waits for that),
-    or with the error that stopped it."""
+    or with the error that stopped it. A refused one (its sender takes no part: a forgery)
+    is not reported: the originator waits for the real one."""
     number, _, sink, delegated = ticket
     originator = pass_id >> 48
     try:
         if type(number) is not int or not (delegated is None or type(delegated) is list):
             raise RpcError(f"malformed ticket {ticket!r:.80}")
         run, first = _accept_gradients(agent, context_id, message_id, pass_id, retain_graph, grads,
-                                       requester=originator, ticket=ticket)
+                                       requester=originator, ticket=ticket, sender=sender, token=token)
+    except NotEntitledError:
+        raise  # (counted and logged: the sender of a one-way request learns nothing more)
     except Exception as exc:  # noqa: BLE001 - goes to the originator, which waits for this report
         _report(agent, originator, sink, context_id, pass_id, [], None, f"Error on Node {agent.rank}: {exc}")
         return
@@ -305,7 +317,7 @@ def _forward_gradients(route: tuple, grads: list, run: Pass, last: bool) -> None
     pass does, that report goes with it (delegated: the receiver's report carries it), and
     the pass sends none of its own."""
     agent = _agent()
-    _, peer, message_id, in_response, _, _ = route
+    _, peer, message_id, in_response, _, _, token = route
     ticket = agent.hooks.contexts.new_message_id()
     run.forwards.append([ticket, route[0], peer])
     delegated = None
@@ -314,7 +326,7 @@ def _forward_gradients(route: tuple, grads: list, run: Pass, last: bool) -> None
         run.reported = True
     placement = agent.placement_back(peer, in_response)
     args = (run.context.context_id, message_id, run.pass_id, run.retain_graph, grads, -1, ticket, run.wire_routes,
-            run.sink, delegated)
+            run.sink, delegated, token)
     with profiled("torch::distributed::autograd::RecvRpcBackward"):
         agent.notify(peer, _backward_request, args, MessageType.BACKWARD_AUTOGRAD_REQ, placement)
 
@@ -333,9 +345,15 @@ def _report(agent: AgentPort, originator: int, sink: Any, context_id: int, pass_
         log.warning("backward pass %d: cannot report to worker %d: %s", pass_id, originator, exc)
 
 
-def _settle_report(agent: AgentPort, run: Pass, report: Any, error: BaseException | None) -> None:
+def _settle_report(agent: AgentPort, run: Pass, report: Any, error: BaseException | None, sender: int) -> None:
     """On the originator, on the thread that runs ``run``: passes of its ticketed requests
-    are done (``_report``). Anything wrong with the report fails the pass (Pass.run_at_home)."""
+    are done (``_report``), says ``sender``. A report from a worker that takes no part in
+    the pass's context, or that claims what is another's, is refused (counted, logged, and
+    the pass goes on: Pass.take_report); anything else wrong with it fails the pass
+    (Pass.run_at_home)."""
+    if not run.context.knows(sender):
+        agent.hooks.refusals.refuse(sender, f"a report to backward pass {run.pass_id}")
+        return
     if error is not None:
         raise error
     if type(report) is not list or len(report) != 5:
@@ -349,34 +367,54 @@ def _settle_report(agent: AgentPort, run: Pass, report: Any, error: BaseExceptio
         raise RpcError(f"malformed reports {reports!r:.80}")
     # The gradients first: their work is what the pass waits for; the counts after it (the
     # pass cannot end before: its tickets are not settled yet).
+    for item in reports:
+        if type(item) is not list or len(item) != 2 or type(item[0]) is not int or type(item[1]) is not list:
+            raise RpcError(f"malformed report {item!r:.80}")
     if riding is not None:
         if type(riding) is not list or len(riding) != 5:
             raise RpcError(f"malformed riding gradients {riding!r:.80}")
-        _accept_gradients(agent, *riding, start=False)
-    for item in reports:
-        if type(item) is not list or len(item) != 2 or type(item[0]) is not int:
-            raise RpcError(f"malformed report {item!r:.80}")
-        run.announce(item[1])
-        run.settle(item[0])
+        try:
+            _accept_gradients(agent, *riding, start=False, sender=sender)
+        except NotEntitledError:
+            return  # (counted and logged; the rest of such a report is not taken either)
+    refusal = run.take_report(reports, sender)
+    if refusal is not None:
+        what, whose = refusal
+        agent.hooks.refusals.refuse(whose, what)
 
 
 def _accept_gradients(agent: AgentPort, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
                       *, requester: int | None = None, start: bool = True,
-                      ticket: tuple | None = None, settles: Pass | None = None) -> tuple[Pass, bool]:
+                      ticket: tuple | None = None, settles: Pass | None = None,
+                      sender: int | None = None, token: int | None = None) -> tuple[Pass, bool]:
     """Deliver the gradients for send function ``message_id`` to pass ``pass_id`` here,
     starting it if it is new and ``start`` (``requester`` waits for its answer). The pass,
     and whether it is new. Gradients riding on an answer never start a pass: the pass that
     asked is here, or was superseded (they are then dropped with an error); ``settles``:
     the pass whose request they answer, counted as answered by their delivery when it is the
-    pass here (``Pass.deliver``)."""
+    pass here (``Pass.deliver``). ``sender``, ``token``: who sends them (None: this worker)
+    and the token it shows; a sender that is not entitled to them is refused
+    (``NotEntitledError``), which fails no pass here."""
+    hooks = agent.hooks
+    if sender is not None and sender != agent.rank:
+        # Whether the sender may deliver these at all, before anything it says can touch a
+        # pass here: only a worker of the context fails our pass with what is wrong with them.
+        ctx = hooks.contexts.retrieve(context_id)
+        with contextlib.suppress(RpcError):  # (an unknown one fails the pass below, as it would)
+            ctx.send_function(message_id)  # waits for one still being recorded
+        why = ctx.check_gradient_sender(message_id, sender, token)
+        if why is not None:
+            raise hooks.refusals.refuse(sender, why)
     try:
-        ctx = agent.hooks.contexts.retrieve(context_id)
+        ctx = hooks.contexts.retrieve(context_id)
         ctx.send_function(message_id)  # a clear error for an unknown message id
         with _pass_lock:
             run = ctx.current_pass
             first = run is None or run.pass_id != pass_id
         if first and not start:
             raise RpcError(f"backward pass {pass_id} of context {context_id} is no longer running here")
+        if first and pass_id >> 48 == agent.rank:  # (ours start in backward(), and only there)
+            raise RpcError(f"backward pass {pass_id} of context {context_id} is not running here")
         if first:
             run = _start_pass(agent, ctx, pass_id, retain_graph, None, requester, ticket)
         run.deliver(message_id, list(grads), settles=run is settles)

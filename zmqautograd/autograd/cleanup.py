@@ -31,6 +31,7 @@ from zmqautograd.transport import MessageType, PeerLostError
 
 from .. import timers
 from ..rpc import current
+from ..rpc.errors import RpcError
 from ..rpc.serialization import protocol_function
 from . import port
 from .port import AgentPort
@@ -136,17 +137,25 @@ def release_everywhere(agent: AgentPort, context: Any, skip: int = -1) -> None:
             agent.hooks.contexts.cleanups.add(worker, [context.context_id], send)
 
 
-def release_here(agent: AgentPort, context_ids: list, from_worker: int) -> list:
+def release_here(agent: AgentPort, context_ids: list, from_worker: int) -> tuple[list, Exception | None]:
     """``from_worker`` released these contexts: release them here too, and pass them on.
-    Idempotent; unknown ids are fine (never here, or released already). Returns the contexts
-    that were here: dropping a context's graph and gradients is most of a release's cost (~7
-    of ~11 us measured in a pipeline's workers), so a worker serving a call keeps them until
+    Idempotent; unknown ids are fine (never here, or released already). Only a worker that
+    takes part in a context here (or made it) may release it: others' releases are refused,
+    counted and logged, and the error for the sender is returned. Returns the contexts that
+    were here: dropping a context's graph and gradients is most of a release's cost (~7 of
+    ~11 us measured in a pipeline's workers), so a worker serving a call keeps them until
     its answer left."""
-    remove = agent.hooks.contexts.remove
-    removed = [context for context_id in context_ids if (context := remove(context_id)) is not None]
+    if type(context_ids) is not list:
+        raise RpcError(f"malformed context releases {context_ids!r:.80}")
+    hooks = agent.hooks
+    removed, refused = hooks.contexts.release_from(context_ids, from_worker)
     for context in removed:
         release_everywhere(agent, context, skip=from_worker)
-    return removed
+    refusal = None
+    if refused:
+        shown = ", ".join(map(str, refused[:_IDS_LOGGED]))
+        refusal = hooks.refusals.refuse(from_worker, f"the release of autograd context(s) {shown}")
+    return removed, refusal
 
 
 @protocol_function
@@ -154,7 +163,9 @@ def cleanup_contexts(context_ids: list) -> None:
     """The receiving end of a cleanup request (CLEANUP_AUTOGRAD_CONTEXT_REQ), from the worker
     it came over (current.caller), never one its payload names."""
     caller = current.caller()
-    release_here(port.current(), context_ids, -1 if caller is None else caller)
+    _, refusal = release_here(port.current(), context_ids, -1 if caller is None else caller)
+    if refusal is not None:
+        raise refusal
 
 
 def _send_batch(agent: AgentPort, worker: int, context_ids: list) -> None:

@@ -5,12 +5,16 @@ functions recorded on this worker, the workers it talked to, and the gradients o
 worker's leaves. Contexts live in one container per RPC session. Ids are
 ``(worker_id << 48) + counter`` so every worker makes ids no other worker makes; autograd
 message ids (which pair a send function with the recv function on the other side) are made
-the same way.
+the same way. The low 48 bits of a context id are a counter put through a keyed permutation
+(``_UnguessableIds``): unique as the counter, and unpredictable to the other members, so that
+none can join or release a context it was never told of (docs/security.md).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
 import threading
 from collections import deque
 from typing import Any
@@ -22,6 +26,7 @@ from .cleanup import CleanupBatcher
 
 MAX_AUTO_INCREMENT = (1 << 48) - 1
 MAX_TOMBSTONES = 100_000  # released context ids remembered (8 bytes or so each)
+_NEVER: frozenset = frozenset()  # the releasers of a context id that was never released
 _EXPECTED_SEND_WAIT = 10.0  # seconds a pass waits for a send function still being recorded
 
 
@@ -33,6 +38,9 @@ class DistAutogradContext:
         self._lock = threading.Lock()
         self._known_workers: set[int] = set()
         self._sends: dict[int, Any] = {}  # autograd message id -> SendRpcBackward node
+        # autograd message id -> (the worker the send's tensors went to, its token): who may
+        # send the gradients of that send function (``check_gradient_sender``).
+        self._send_targets: dict[int, tuple[int | None, int | None]] = {}
         # Send functions of answers that left before they were recorded (expect_send); who
         # needs the send functions waits for them (made on first use: most contexts never
         # have a waiter).
@@ -88,11 +96,16 @@ class DistAutogradContext:
         with self._lock:
             self._known_workers.add(worker_id)
 
-    def add_send_function(self, message_id: int, node: Any, keep_alive: torch.Tensor | None = None) -> None:
+    def add_send_function(self, message_id: int, node: Any, keep_alive: torch.Tensor | None = None,
+                          to: int | None = None, token: int | None = None) -> None:
+        """``to``: the worker the tensors went to, the one whose gradients for them are
+        taken; ``token``: what a worker that the originator routes them through must show
+        (engine.py, "Forwarding")."""
         with self._lock:
             if message_id in self._sends:
                 raise RpcError(f"autograd message id {message_id} already has a send function")
             self._sends[message_id] = node
+            self._send_targets[message_id] = (to, token)
             if keep_alive is not None:
                 self._keep_alive.append(keep_alive)
             self.sends_version += 1
@@ -128,6 +141,32 @@ class DistAutogradContext:
         if self._recorded is None:
             self._recorded = threading.Condition(self._lock)
         self._recorded.wait_for(ready, _EXPECTED_SEND_WAIT)
+
+    def check_gradient_sender(self, message_id: int, sender: int | None, token: int | None) -> str | None:
+        """Why ``sender`` may not deliver the gradients of send function ``message_id``
+        (None: it may): only the worker its tensors went to may, or one the originator routed
+        them through, which shows the send's token. ``sender`` None: from this worker."""
+        if sender is None:
+            return None
+        target = self._send_targets.get(message_id)  # (a dict lookup is atomic)
+        if target is None:  # no such send function: the pass says so, to a worker of the context
+            return None if self.knows(sender) else f"gradients for autograd context {self._id}"
+        to, expected = target
+        if to is None or sender == to:
+            return None
+        if expected is not None and token == expected:
+            return None
+        return (f"gradients for send function {message_id} of autograd context {self._id}, whose tensors "
+                f"went to worker {to}")
+
+    def send_target(self, message_id: int) -> int | None:
+        """The worker the tensors of send function ``message_id`` went to (None: unknown)."""
+        target = self._send_targets.get(message_id)
+        return None if target is None else target[0]
+
+    def knows(self, worker: int) -> bool:
+        """Whether ``worker`` took part in this context here (sent to or heard from), or made it."""
+        return worker == self._id >> 48 or worker in self._known_workers  # (set lookups are atomic)
 
     def add_recv_function(self, message_id: int, node: Any, keep_alive: torch.Tensor | None = None) -> None:
         with self._lock:
@@ -216,6 +255,27 @@ def _clone_like(variable: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad.clone(memory_format=torch.contiguous_format)
 
 
+class _UnguessableIds:
+    """A keyed permutation of 48-bit counters: a Feistel network of 6 rounds over two 24-bit
+    halves, keyed BLAKE2b as its round function, with a key made at random per container.
+    Its outputs are unique, as the counters are, and a member that sees some of them cannot
+    tell the others (ids of contexts it was never told of). ~3 us an id: one per context."""
+
+    ROUNDS = 6
+
+    def __init__(self) -> None:
+        key = os.urandom(32)
+        self._rounds = [hashlib.blake2b(key=key, digest_size=3, person=bytes([r])) for r in range(self.ROUNDS)]
+
+    def __call__(self, counter: int) -> int:
+        left, right = counter >> 24, counter & 0xFFFFFF
+        for round_function in self._rounds:
+            digest = round_function.copy()
+            digest.update(right.to_bytes(3, "big"))
+            left, right = right, left ^ int.from_bytes(digest.digest(), "big")
+        return (left << 24) | right
+
+
 class _ThreadContext(threading.local):
     # A class default rather than getattr(local, name, None): a miss raises and catches an
     # AttributeError inside getattr, on every RPC made outside a context.
@@ -234,11 +294,15 @@ class ContextContainer:
         self._released = threading.Condition(self._lock)
         self._release_waiters = 0  # threads in wait_released
         self._contexts: dict[int, DistAutogradContext] = {}
-        # Recently released ids: a message of a released context that arrives late (a
-        # remote()'s acknowledgement after its to_here(), a call overtaken by the cleanup)
-        # must not bring the context back, where nothing would release it again.
-        self._tombstones: set[int] = set()
+        # Recently released ids, and the workers that released each (None: this one, or the
+        # context's creator): a message of a released context that arrives late (a remote()'s
+        # acknowledgement after its to_here(), a call overtaken by the cleanup) must not bring
+        # the context back, where nothing would release it again. A release of a context that
+        # was never here keeps out only what its releaser sends, or its creator's word: no
+        # other member can keep a context from being made here (``get_or_create``).
+        self._tombstones: dict[int, frozenset[int] | None] = {}
         self._tombstone_order: deque = deque()
+        self._unguessable = _UnguessableIds()
         self._context_counter = itertools.count(0)
         self._message_counter = itertools.count(0)
         self._local = _ThreadContext()
@@ -280,20 +344,25 @@ class ContextContainer:
         current = self.current()
         if current is not None:
             raise RpcError(f"Already have an autograd context id for this thread: {current.context_id}")
-        context = DistAutogradContext(self._next_id(self._context_counter, "autograd context"))
+        context = DistAutogradContext(self._base + self._unguessable(
+            self._next_id(self._context_counter, "autograd context") - self._base))
         with self._lock:
             self._contexts[context.context_id] = context
         self._local.context = context
         return context
 
-    def get_or_create(self, context_id: int) -> DistAutogradContext | None:
-        """The context, made on first contact; None if it was released here already."""
+    def get_or_create(self, context_id: int, from_worker: int) -> DistAutogradContext | None:
+        """The context, joined on a message of ``from_worker`` (made on first contact, with
+        ``from_worker`` known to it at once: a release from it may race with the message);
+        None if it was released here already by its creator, by us, or by that worker."""
         with self._lock:
             context = self._contexts.get(context_id)
             if context is None:
-                if context_id in self._tombstones:
+                releasers = self._tombstones.get(context_id, _NEVER)
+                if releasers is None or from_worker in releasers:
                     return None
                 context = self._contexts[context_id] = DistAutogradContext(context_id)
+            context.add_known_worker(from_worker)
             return context
 
     def get(self, context_id: int) -> DistAutogradContext | None:
@@ -311,16 +380,24 @@ class ContextContainer:
         with self._lock:
             return context_id in self._contexts
 
-    def remove(self, context_id: int) -> DistAutogradContext | None:
-        """Forget a context here (None if it is not here); clears it as current on this thread."""
+    def remove(self, context_id: int, releaser: int | None = None) -> DistAutogradContext | None:
+        """Forget a context here (None if it is not here); clears it as current on this thread.
+        ``releaser``: the worker whose release this is, of a context that may not be here yet
+        (None: this worker's own, or its creator's)."""
         with self._lock:
             context = self._contexts.pop(context_id, None)
+            # A third party's release of a context not here keeps out only that party's messages.
+            third_party = None if context is not None or releaser == context_id >> 48 else releaser
             if context_id not in self._tombstones:
-                self._tombstones.add(context_id)
                 self._tombstone_order.append(context_id)
                 if len(self._tombstone_order) > MAX_TOMBSTONES:
-                    self._tombstones.discard(self._tombstone_order.popleft())
-            if self._release_waiters:  # (a notify costs ~1 us; only tests and shutdown wait)
+                    self._tombstones.pop(self._tombstone_order.popleft(), None)
+                self._tombstones[context_id] = None if third_party is None else frozenset((third_party,))
+            elif third_party is None:
+                self._tombstones[context_id] = None  # (released for good: keeps out everyone)
+            elif (releasers := self._tombstones[context_id]) is not None:
+                self._tombstones[context_id] = releasers | {third_party}
+        if self._release_waiters:  # (a notify costs ~1 us; only tests and shutdown wait)
                 self._released.notify_all()
         if context is not None:
             context.released = True
@@ -328,6 +405,24 @@ class ContextContainer:
         if current is not None and current.context_id == context_id:
             self._local.context = None
         return context
+
+    def release_from(self, context_ids: list, from_worker: int) -> tuple[list[DistAutogradContext], list[int]]:
+        """``from_worker`` released these contexts: remove those it takes part in (or made)
+        and those that are not here (kept out while it is the one who sends them); the
+        contexts removed, and the ids of those it may not release (it never took part in
+        them here: refused)."""
+        removed, refused = [], []
+        for context_id in context_ids:
+            if type(context_id) is not int:
+                raise RpcError(f"malformed autograd context id {context_id!r:.40}")
+            context = self.get(context_id)
+            if context is not None and not context.knows(from_worker):
+                refused.append(context_id)
+                continue
+            context = self.remove(context_id, from_worker)
+            if context is not None:
+                removed.append(context)
+        return removed, refused
 
     def release_created_by(self, worker_id: int, error: BaseException) -> int:
         """Release every context that ``worker_id`` created (it is gone: nobody else would);

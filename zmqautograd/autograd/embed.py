@@ -48,7 +48,7 @@ from . import port as port_module
 from .context import DistAutogradContext
 from .forward import message_metadata, record_recv, record_send
 from .hooks import AutogradHooks
-from .port import OnAnswer, Post
+from .port import OnAnswer, OnReport, Post
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class EmbeddedPort:
         self._timeout = timeout
         self._lost: set[int] = set()
         self._closed = False
-        self._sinks: dict[int, tuple[Post, OnAnswer]] = {}
+        self._sinks: dict[int, tuple[Post, OnReport]] = {}
         self._sink_ids = itertools.count(1)
         self._pool = _NoPool()
         self._hooks = AutogradHooks(self)
@@ -237,7 +237,7 @@ class EmbeddedPort:
     def call_retrying(self, to: int, function: Callable, args: Any, message_type: MessageType) -> torch.futures.Future:
         return self.send_call(to, function, tuple(args or ()))
 
-    def open_sink(self, post: Post, on_report: OnAnswer) -> int:
+    def open_sink(self, post: Post, on_report: OnReport) -> int:
         sink_id = next(self._sink_ids)
         self._sinks[sink_id] = (post, on_report)
         return sink_id
@@ -254,13 +254,13 @@ class EmbeddedPort:
     def home_waiting(self) -> None:
         return None
 
-    def _deliver_report(self, sink_id: int, value: Any) -> None:
+    def _deliver_report(self, sink_id: int, value: Any, sender: int | None) -> None:
         sink = self._sinks.get(sink_id) if type(sink_id) is int else None
-        if sink is None:
-            log.debug("%s: a report for sink %r, which is closed", self.info, sink_id)
+        if sink is None or sender is None:
+            log.debug("%s: a report for sink %r, which is closed (or from no worker)", self.info, sink_id)
             return
         post, on_report = sink
-        post(on_report, value, None)
+        post(on_report, value, None, sender)
 
 
 @protocol_function
@@ -269,7 +269,7 @@ def deliver_report(sink_id: int, value: Any) -> None:
     port = port_module.current()
     if not isinstance(port, EmbeddedPort):
         raise RpcError("a report for an embedded port came to a worker without one")
-    port._deliver_report(sink_id, value)
+    port._deliver_report(sink_id, value, current.caller())
 
 
 def attach(port: EmbeddedPort) -> None:

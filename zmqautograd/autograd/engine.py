@@ -160,7 +160,8 @@ class Pass:
         self.forwards: list = []
         self.published: list | None = None
         self._tickets: dict[int, int] = {}
-        self._early: set = set()
+        self._early: dict[int, tuple[list, int | None]] = {}  # ticket -> (forwards, its sender if known)
+        self._reported: set[int] = set()  # tickets settled (a second report of one is refused)
         self._settled = 0
         self.done = Outcome()  # all local work and every request we sent
         self.node_runs = 0  # groups and recv functions run (tests count them)
@@ -472,12 +473,62 @@ class Pass:
 
     # ----------------------------------------------------------- on the originator
 
-    def announce(self, forwards: Any) -> None:
+    def take_report(self, items: list, sender: int) -> tuple[str, int] | None:
+        """A report of ``sender``: ``[ticket, forwards made]`` items, in order, the last its
+        own and those before it delegated to it. Each ticket's report is due from the worker
+        the ticket went to (the last item's, then, from ``sender``), and only that worker can
+        have forwarded the gradients of our send functions whose tensors went to it. An item
+        whose ticket is not due yet (its announcement is still on its way) waits for it.
+        What is refused, if anything, and whose doing it is: a claim of another worker's
+        ticket or forward, a second report of a ticket (the rest of the report is dropped;
+        the pass goes on). Malformed items raise (the pass fails: ``sender`` took part)."""
+        last = len(items) - 1
+        for position, (ticket, forwards) in enumerate(items):
+            claimed = sender if position == last else None
+            with self._lock:
+                owner = self._tickets.get(ticket)
+                if owner is None:
+                    if ticket in self._early or ticket in self._reported:
+                        return f"a second report of ticket {ticket} of backward pass {self.pass_id}", sender
+                    self._early[ticket] = (forwards, claimed)  # taken when it is announced
+                    self._settled += 1
+                    continue
+            refusal = self._take_item(ticket, owner, forwards, claimed, sender)
+            if refusal is not None:
+                return refusal
+        return None
+
+    def _take_item(self, ticket: int, owner: int, forwards: list, claimed: int | None,
+                   carrier: int) -> tuple[str, int] | None:
+        """Take the report of ``ticket``, due from ``owner`` (``claimed``: who says it is
+        theirs, if known; ``carrier``: who sent it), with the forwards it announces; then the
+        reports that came early for the tickets they announce."""
+        if claimed is not None and claimed != owner:
+            return f"the report of ticket {ticket} of backward pass {self.pass_id}, which went to worker {owner}", claimed
+        for forward in forwards:
+            if type(forward) is not list or len(forward) != 3 or not all(type(item) is int for item in forward):
+                raise RpcError(f"malformed forwarding announcement {forward!r:.80}")
+            target = self.context.send_target(forward[1])
+            if target is not None and target != owner:
+                return (f"the forwarding of the gradients of send function {forward[1]} (backward pass "
+                        f"{self.pass_id}), whose tensors went to worker {target}, not to worker {owner}"), carrier
+        due = self.announce(forwards)
+        self.settle(ticket)
+        for early_ticket, early_owner, early_forwards, early_claimed in due:
+            refusal = self._take_item(early_ticket, early_owner, early_forwards, early_claimed,
+                                      carrier if early_claimed is None else early_claimed)
+            if refusal is not None:
+                return refusal
+        return None
+
+    def announce(self, forwards: Any) -> list:
         """A report says its pass forwarded the gradients of our send functions (``[ticket,
         message id, worker]`` each): their groups and the recv functions they feed are done
-        elsewhere, and each ticket's report is due."""
+        elsewhere, and each ticket's report is due. The reports that came early for those
+        tickets, to be taken now: (ticket, worker, forwards, claimed sender) each."""
         if type(forwards) is not list:
             raise RpcError(f"malformed forwarding announcement {forwards!r:.80}")
+        due = []
         for forward in forwards:
             if (type(forward) is not list or len(forward) != 3 or not all(type(item) is int for item in forward)):
                 raise RpcError(f"malformed forwarding announcement {forward!r:.80}")
@@ -495,29 +546,35 @@ class Pass:
                 self._delivered |= bit
                 self._started[index] = True
                 self._remaining -= 2  # its group and the recv function it feeds
-                self._expect_locked(ticket, peer)
+                early = self._expect_locked(ticket, peer)
                 ready = self._ready_among(self.plan.groups_by_bit.get(bit, ()))
+            if early is not None:
+                due.append((ticket, peer, *early))
             self._drain(ready)
         self._maybe_finish()
+        return due
 
     def expect(self, ticket: int, peer: int) -> None:
         """A ticketed request to ``peer`` is about to leave: its report is due."""
         with self._lock:
-            self._expect_locked(ticket, peer)
+            early = self._expect_locked(ticket, peer)
+        if early is not None:  # (its report cannot be here before the request left: a forgery)
+            forwards, claimed = early
+            self._take_item(ticket, peer, forwards, claimed, peer if claimed is None else claimed)
 
-    def _expect_locked(self, ticket: int, peer: int) -> None:
-        if ticket in self._early:
-            self._early.discard(ticket)
-        else:
+    def _expect_locked(self, ticket: int, peer: int) -> tuple[list, int | None] | None:
+        """``ticket``'s report is due from ``peer``: the report that came for it early, if
+        one did (still due until it is taken: ``_take_item``)."""
+        if ticket not in self._tickets and ticket not in self._reported:
             self._tickets[ticket] = peer
-        self._settled += 1
+            self._settled += 1
+        return self._early.pop(ticket, None)
 
     def settle(self, ticket: int) -> None:
-        """The report of ``ticket`` came: that worker's part is done (reports may overtake
-        the announcement of their ticket, which then finds it here)."""
+        """The report of ``ticket`` came: that worker's part is done."""
         with self._lock:
-            if self._tickets.pop(ticket, None) is None:
-                self._early.add(ticket)
+            self._tickets.pop(ticket, None)
+            self._reported.add(ticket)
             self._settled += 1
         self._maybe_finish()
 

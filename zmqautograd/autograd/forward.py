@@ -1,16 +1,24 @@
 """Recording the forward pass at RPC boundaries (the seeds' utils.cpp).
 
 The RPC agent calls these around every call and answer. While an autograd context is current,
-a call carries autograd metadata ``[context id, autograd message id]`` in its payload (and
+a call carries autograd metadata ``[context id, autograd message id, token]`` in its payload (and
 travels as FORWARD_AUTOGRAD_REQ) when any of its tensors requires grad, and always for Python
 functions, ``remote`` and ``to_here``: their answer may require grad even if the arguments
 do not. The sender records a SendRpcBackward over the tensors that require grad; the receiver
 joins the context and gives those tensors a RecvRpcBackward. Answers to such calls travel as
 FORWARD_AUTOGRAD_RESP and are recorded the same way in reverse.
+
+The token is a random number that the sender keeps with its send function: the gradients of
+that send function are taken from the worker its tensors went to, or from a worker that shows
+the token, which only the originator of a pass can give it, in a route (engine.py,
+"Forwarding"; docs/security.md).
 """
 
 from __future__ import annotations
 
+import os
+import struct
+import threading
 import types
 from typing import Any
 
@@ -27,6 +35,23 @@ BUILTIN_TYPES = (types.BuiltinFunctionType, types.BuiltinMethodType, types.Metho
                   types.WrapperDescriptorType, types.MethodWrapperType)
 
 
+class _Tokens(threading.local):
+    """Random 64-bit tokens, drawn from the OS 512 at a time (one syscall instead of one per
+    recorded message), per thread."""
+
+    def __init__(self) -> None:
+        self.left: list[int] = []
+
+    def take(self) -> int:
+        left = self.left
+        if not left:
+            left.extend(struct.unpack("<512Q", os.urandom(8 * 512)))
+        return left.pop()
+
+
+_tokens = _Tokens()
+
+
 def request_metadata(container: ContextContainer, message_type: MessageType, function: Any, args: Any, kwargs: Any) -> list | None:
     """The autograd metadata for a call about to be made, or None if it goes unrecorded."""
     context = container.current()
@@ -35,11 +60,11 @@ def request_metadata(container: ContextContainer, message_type: MessageType, fun
     forced = message_type is not MessageType.PYTHON_CALL or not isinstance(function, BUILTIN_TYPES)
     if not forced and not _any_requires_grad(args) and not _any_requires_grad(kwargs):
         return None  # a builtin on tensors that need no grad: nothing to record
-    return [context.context_id, container.new_message_id()]
+    return [context.context_id, container.new_message_id(), _tokens.take()]
 
 
 def message_metadata(container: ContextContainer, context: DistAutogradContext) -> list:
-    return [context.context_id, container.new_message_id()]
+    return [context.context_id, container.new_message_id(), _tokens.take()]
 
 
 def record_send(container: ContextContainer, metadata: list, tensors: list, to: int) -> DistAutogradContext | None:
@@ -51,7 +76,7 @@ def record_send(container: ContextContainer, metadata: list, tensors: list, to: 
     context.add_known_worker(to)
     needing_grad = [t for t in tensors if t.requires_grad]
     if needing_grad:
-        context.add_send_function(metadata[1], *make_send_node(needing_grad))
+        context.add_send_function(metadata[1], *make_send_node(needing_grad), to=to, token=metadata[2])
     return context
 
 
@@ -61,17 +86,22 @@ def record_recv(container: ContextContainer, metadata: Any, tensors: list, from_
     request joins (makes) the context; a response only records into a context that still
     exists here. None when the context was released here (the message is then served
     without recording)."""
-    if type(metadata) is not list or len(metadata) != 2 or type(metadata[0]) is not int or type(metadata[1]) is not int:
+    if type(metadata) is not list or len(metadata) != 3 or not all(type(item) is int for item in metadata):
         raise ValueError(f"malformed autograd metadata {metadata!r:.80}")
-    context_id, message_id = metadata
-    context = container.get(context_id) if response else container.get_or_create(context_id)
-    if context is None:
-        return None
-    context.add_known_worker(from_worker)
+    context_id, message_id, token = metadata
+    if response:
+        context = container.get(context_id)
+        if context is None:
+            return None
+        context.add_known_worker(from_worker)
+    else:
+        context = container.get_or_create(context_id, from_worker)
+        if context is None:
+            return None
     needing_grad = [t for t in tensors if t.requires_grad]
     if needing_grad:
         context.add_recv_function(
-            message_id, *attach_recv_node(needing_grad, context_id, message_id, from_worker, response)
+            message_id, *attach_recv_node(needing_grad, context_id, message_id, from_worker, response, token)
         )
     return context
 

@@ -38,6 +38,9 @@ class RecvInfo(NamedTuple):
     # (groups._pass_through; for those that are gone, the node's ``hooked`` tells). Empty
     # when not known.
     received: list = []
+    # What the sender's send function asks of a worker that the originator routes these
+    # gradients through, to take them from it (context.check_gradient_sender); None: none.
+    token: int | None = None
 
 
 class SendRpc(torch.autograd.Function):
@@ -293,7 +296,8 @@ def make_send_node(tensors: list[torch.Tensor]) -> tuple[Any, Any]:
 
 
 def attach_recv_node(
-    tensors: list[torch.Tensor], context_id: int, message_id: int, from_worker: int, in_response: bool = False
+    tensors: list[torch.Tensor], context_id: int, message_id: int, from_worker: int, in_response: bool = False,
+    token: int | None = None,
 ) -> tuple[Any, Any]:
     """Make a RecvRpcBackward node the grad_fn of ``tensors`` (received, requiring grad), in
     place: the payload the tensors came in already refers to these tensor objects (possibly
@@ -301,10 +305,10 @@ def attach_recv_node(
     the node and what keeps it alive, as ``make_send_node``."""
     if not _grad_enabled():
         with torch.enable_grad():
-            return attach_recv_node(tensors, context_id, message_id, from_worker, in_response)
+            return attach_recv_node(tensors, context_id, message_id, from_worker, in_response, token)
     metadata = tuple([(t.shape, t.dtype, t.device, t.layout) for t in tensors])
     received: list = []
-    info = RecvInfo(context_id, message_id, from_worker, metadata, in_response, received)
+    info = RecvInfo(context_id, message_id, from_worker, metadata, in_response, received, token)
     apply = RecvRpc.apply if _functorch_active() else _recv_apply
     if _fresh(tensors):
         # The usual case, tensors the codec just made: they become the node's outputs in

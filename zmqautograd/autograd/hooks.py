@@ -16,6 +16,7 @@ from typing import Any
 from zmqautograd.transport import Message, MessageType, PeerDepartedError, PeerLostError
 
 from ..rpc.hooks import OutgoingCall
+from ..rpc.refusals import Refusals
 from . import cleanup
 from .context import ContextContainer
 from .forward import BUILTIN_TYPES, message_metadata, record_recv, record_send, request_metadata
@@ -55,6 +56,7 @@ class AutogradHooks:
     def __init__(self, agent: AgentPort) -> None:
         self.agent = agent
         self.contexts = ContextContainer(agent.rank)
+        self.refusals = Refusals(f"{agent.info} (distributed autograd)")  # what members may not do here
         self._local = self.contexts._local  # the current context, per thread (served calls switch it)
         self._losses = threading.Condition()
         self._lost: list[str] = []  # the workers lost so far, by name
@@ -197,7 +199,7 @@ class AutogradHooks:
         """Apply the context releases that rode on a call from ``sender``
         (``cleanup.release_here``); the contexts removed here, for the caller to drop."""
         try:
-            return cleanup.release_here(self.agent, releases, int(sender))
+            return cleanup.release_here(self.agent, releases, int(sender))[0]
         except Exception:  # noqa: BLE001 - never the call's failure
             log.exception("%s: releasing the contexts %s from %s failed", self.agent.info, releases, sender)
             return []

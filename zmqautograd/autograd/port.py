@@ -23,6 +23,7 @@ from ..rpc import current as current_rpc
 # ``on_answer(value, error)``: what it runs for an answer or a report.
 Post = Callable[..., None]
 OnAnswer = Callable[[Any, "BaseException | None"], None]
+OnReport = Callable[[Any, "BaseException | None", int], None]  # (value, error, the worker that sent it)
 
 
 class WorkerPool(Protocol):
@@ -97,8 +98,9 @@ class AgentPort(Protocol):
         """``call`` of an idempotent function, retried when it fails to arrive."""
         ...
 
-    def open_sink(self, post: Post, on_report: OnAnswer) -> int:
-        """A sink that ``report`` sends to: ``post(on_report, value, error)`` per report."""
+    def open_sink(self, post: Post, on_report: OnReport) -> int:
+        """A sink that ``report`` sends to: ``post(on_report, value, error, sender)`` per
+        report, ``sender`` the worker it came from (by its connection, not its payload)."""
         ...
 
     def close_sink(self, sink_id: int) -> None: ...

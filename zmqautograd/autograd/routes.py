@@ -19,8 +19,9 @@ def routes_for(plan: Plan, worker_id: int) -> list | None:
     (Plan.forwardable) and whose recv function's tensors have no hooks for the engine to
     run: ``[its message id, the worker the recv function's tensors came from, their message
     id there, whether they came in a response, for each slot of the send function the recv
-    function's slot or -1, the recv function's width]``. None when there are none, or when
-    the profiler records (it shows the nodes that forwarding skips)."""
+    function's slot or -1, the recv function's width, the token that worker's send function
+    asks of whoever forwards its gradients]``. None when there are none, or when the profiler
+    records (it shows the nodes that forwarding skips)."""
     forwardable = plan.forwardable()
     if not forwardable or profiling():
         return None
@@ -29,7 +30,8 @@ def routes_for(plan: Plan, worker_id: int) -> list | None:
         info = recv.recv_info
         if info.from_worker == worker_id or any(slot >= 0 and _hooks_could_run(recv, slot) for slot in slots):
             continue
-        routes.append([key, info.from_worker, info.message_id, info.in_response, list(slots), len(info.metadata)])
+        routes.append([key, info.from_worker, info.message_id, info.in_response, list(slots), len(info.metadata),
+                       info.token])
     return routes or None
 
 def parse_routes(routes: Any) -> dict[int, tuple]:
@@ -37,12 +39,13 @@ def parse_routes(routes: Any) -> dict[int, tuple]:
     an RpcError when malformed."""
     parsed = {}
     try:
-        for key, peer, message_id, in_response, slots, width in routes:
+        for key, peer, message_id, in_response, slots, width, token in routes:
             if not (type(key) is int and type(peer) is int and type(message_id) is int and type(in_response) is bool
                     and type(width) is int and width >= 0 and type(slots) is list
-                    and all(type(slot) is int and -1 <= slot < width for slot in slots)):
+                    and all(type(slot) is int and -1 <= slot < width for slot in slots)
+                    and (token is None or type(token) is int)):
                 raise ValueError
-            parsed[key] = (key, peer, message_id, in_response, tuple(slots), width)
+            parsed[key] = (key, peer, message_id, in_response, tuple(slots), width, token)
     except (TypeError, ValueError):
         raise RpcError(f"malformed gradient routes: {routes!r:.120}") from None
     return parsed
@@ -52,7 +55,7 @@ def forwarded_gradients(route: tuple, grads: list, metadata: tuple) -> list | No
     gradients of the send function that ``route`` leads to: each slot's sum, as the pass
     through on the originator gives them (_pass_through). None when the engine there could
     have converted one (another layout, device, shape or dtype): they then go the usual way."""
-    _, _, _, _, slots, width = route
+    _, _, _, _, slots, width, _ = route
     if len(slots) != len(grads):
         raise RpcError(f"gradient route for {len(slots)} tensor(s) applied to {len(grads)}")
     forwarded: list = [None] * width

@@ -24,6 +24,7 @@ from .api import (
     shutdown,
 )
 from .errors import (
+    NotEntitledError,
     OperatorArgumentsError,
     RemoteException,
     RendezvousError,
@@ -50,7 +51,7 @@ __all__ = [
     "constants", "functions", "WorkerInfo", "get_rpc_timeout", "RpcBackendOptions", "get_worker_info", "init_rpc", "remote", "RRef", "rpc_async", "rpc_sync", "shutdown",
     "_get_rpc_timeout", "_set_rpc_timeout", "_is_initialized", "_get_current_rpc_agent", "_is_current_rpc_agent_set", "is_available", "PyRRef",
     "_get_debug_info", "_rref_context_get_debug_info",
-    "OperatorArgumentsError", "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
+    "NotEntitledError", "OperatorArgumentsError", "RemoteException", "RendezvousError", "RpcError", "RpcNotInitializedError", "RpcTimeoutError",
     "ScriptFunctionError", "SerializationError", "ZmqRpcBackendOptions", "DEFAULT_RPC_TIMEOUT_SEC", "UNSET_RPC_TIMEOUT",
     "BackendType", "TensorPipeRpcBackendOptions", "_server_process_global_profile",
 ]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import re
 import threading
 import time
@@ -29,8 +28,7 @@ from zmqautograd.transport import (
 )
 from zmqautograd.transport import descriptors
 from zmqautograd.transport.endpoint import Endpoint
-from zmqautograd.transport.security import ENVIRONMENT_VARIABLE as SECRET_VARIABLE
-from zmqautograd.transport.security import Membership, secret_bytes
+from zmqautograd.transport.security import Membership
 from zmqautograd.transport.tensors import adopt_torch_thread_settings
 
 from . import current
@@ -89,7 +87,8 @@ class WorkerInfo:
 
 
 class Agent(Calling, Answers, Serving):
-    def __init__(self, name: str, rendezvous: Rendezvous | DynamicGroup, options: ZmqRpcBackendOptions):
+    def __init__(self, name: str, rendezvous: Rendezvous | DynamicGroup, options: ZmqRpcBackendOptions,
+                 secret: bytes | None):
         self.options = options
         self.rank = rendezvous.rank
         self._me = str(self.rank)  # our name on the wire
@@ -97,8 +96,7 @@ class Agent(Calling, Answers, Serving):
         self.info = WorkerInfo(name, self.rank)
         self.default_timeout = options.rpc_timeout
         host = advertise_address(rendezvous.master_addr, options.advertise_address)
-        secret = options.cluster_secret or os.environ.get(SECRET_VARIABLE) or None
-        self._secret = secret_bytes(secret) if secret else None
+        self._secret = secret  # the cluster secret (cluster_secret.py); None only with insecure_store
         # Every connection is a member's, proven in the handshake (transport/security.py).
         self.membership = Membership.generate(self._me, "curve" if options.encrypt else "plain", self._secret)
         self.codec = _make_codec(options.allow_pickle, CallablePolicy(options.allowed_functions))

@@ -37,11 +37,14 @@ _NOT_BLOCKING = contextlib.nullcontext()
 class Answers:
     """The agent's pending calls and their answers (part of ``Agent``)."""
 
-    def _report_sink(self: Agent, message_id: int, sender: int | str) -> tuple[_ReportSink, WorkerInfo] | None:
+    def _report_sink(self: Agent, message_id: int, sender: int | str,
+                     kind: MessageType) -> tuple[_ReportSink, WorkerInfo] | None:
         """The open sink an answer with no pending call reports to, and the member that sent
-        it; None if it is no report (a late answer, or from no member)."""
+        it; None if it is no report (a late answer, or from no member). Reports travel as
+        BACKWARD_AUTOGRAD_RESP only (an answer of another type to a sink is no report: one
+        that distributed autograd records would record into the sink's context)."""
         sink = self._sinks.get(message_id) if self._sinks else None
-        if sink is None or not str(sender).isdigit():
+        if sink is None or kind is not MessageType.BACKWARD_AUTOGRAD_RESP or not str(sender).isdigit():
             return None
         info = self.workers_by_id.get(int(sender))
         return None if info is None else (sink, info)
@@ -57,11 +60,11 @@ class Answers:
         if self._misdirected(pending, peer, envelope.type, envelope.id):
             return True
         if pending is None:
-            found = self._report_sink(envelope.id, envelope.sender)
+            found = self._report_sink(envelope.id, envelope.sender, envelope.type)
             if found is None:
                 return False
             sink, sender = found
-            sink.post(self._answer_posted, envelope, sender, sink.on_report)
+            sink.post(self._report_posted, envelope, sender, sink.on_report)
             return True
         future = pending.future
         if type(future) is _SyncSlot:
@@ -156,6 +159,11 @@ class Answers:
         value, error = self._decode_response(envelope, to)
         on_answer(value, error)
 
+    def _report_posted(self: Agent, envelope: Envelope, sender: WorkerInfo, on_report: Callable) -> None:
+        """A report to a sink, on the thread it was posted to; ``on_report`` learns who sent it."""
+        value, error = self._decode_response(envelope, sender)
+        on_report(value, error, sender.id)
+
     def _decode_response(self: Agent, envelope: Envelope, to: WorkerInfo) -> tuple[Any, BaseException | None]:
         tensors: list = []
         try:
@@ -171,7 +179,7 @@ class Answers:
         """A response's value or error; a hooked answer goes through the hooks first."""
         payload = message.payload
         if message.type is MessageType.EXCEPTION:
-            return None, decode_exception(payload["exc"], repr(to))
+            return None, decode_exception(payload["exc"], repr(to), self.codec.policy)
         if message.type is MessageType.FORWARD_AUTOGRAD_RESP:
             try:
                 self.hooks.answer_arrived(to.id, payload, message.tensors or [])
@@ -200,10 +208,10 @@ class Answers:
             return
         pending = self._claim(message.id)
         if pending is None:
-            found = self._report_sink(message.id, message.sender)
+            found = self._report_sink(message.id, message.sender, message.type)
             if found is not None:  # a report (not received by _route_to_waiter)
                 sink, sender = found
-                sink.post(sink.on_report, *self._response_value(message, sender))
+                sink.post(sink.on_report, *self._response_value(message, sender), sender.id)
                 return
             log.debug("%s: late or unknown response %d (timed out?)", self.info, message.id)
             return

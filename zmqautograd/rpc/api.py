@@ -13,7 +13,7 @@ import torch
 
 from zmqautograd.transport import MessageType, PeerError, TransportError
 
-from . import profiling
+from . import cluster_secret, profiling
 from .agent import Agent, WorkerInfo
 from .errors import RpcError, RpcNotInitializedError
 from .futures import Future
@@ -80,12 +80,16 @@ def init_rpc(
             raise RpcError("RPC is already initialized")
         _collect_startup_garbage()
         timeout = _wait_limit(options.rpc_timeout) or DEFAULT_RPC_TIMEOUT_SEC  # (start-up's)
+        # Before the rendezvous: a group that would be open to whoever reaches its store is
+        # refused before anyone waits for this worker.
+        secret = cluster_secret.resolve(options.cluster_secret, options.init_method, options.encrypt,
+                                        options.insecure_store)
         rendezvous: Rendezvous | DynamicGroup
         if world_size is None and not _world_size_from_environment(options.init_method):
             rendezvous = DynamicGroup(options.init_method, rank, timeout)  # membership.py
         else:
             rendezvous = Rendezvous(options.init_method, rank, world_size, timeout)
-        _agent = Agent(name, rendezvous, options)
+        _agent = Agent(name, rendezvous, options, secret)
         set_profiler_node_id(_agent.rank)  # profiler events made here name this worker (profiling.py)
     _agent.start_serving()
 

@@ -184,7 +184,7 @@ class _ReportSink:
 
     __slots__ = ("post", "on_report")
 
-    def __init__(self, post: Callable, on_report: Callable[[Any, BaseException | None], None]) -> None:
+    def __init__(self, post: Callable, on_report: Callable[[Any, BaseException | None, int], None]) -> None:
         self.post = post
         self.on_report = on_report
 
@@ -464,10 +464,11 @@ class Calling:
         except (TransportError, SerializationError) as exc:
             raise _with_context(exc, f"cannot send a one-way call to {info}") from None
 
-    def open_sink(self: Agent, post: Callable, on_report: Callable[[Any, BaseException | None], None]) -> int:
+    def open_sink(self: Agent, post: Callable, on_report: Callable[[Any, BaseException | None, int], None]) -> int:
         """Open a report sink (_ReportSink): its id, which peers pass to ``report``. Each
-        report is handled by ``post(function, *args)`` running ``on_report(value, error)``
-        (error: a report that cannot be decoded)."""
+        report is handled by ``post(function, *args)`` running ``on_report(value, error,
+        sender)`` (error: a report that cannot be decoded; sender: the member that sent it,
+        by its connection: what it may report is the sink owner's to judge)."""
         sink_id = next(self._ids)  # never the id of a call: both count on one counter
         self._sinks[sink_id] = _ReportSink(post, on_report)
         return sink_id

@@ -25,6 +25,11 @@ class RendezvousError(RpcError):
     """Workers could not agree on the group: duplicate names, wrong world size, a missing peer."""
 
 
+class NotEntitledError(RpcError):
+    """A member asked for something it takes no part in (another worker's context, backward
+    pass, RRef fork or call): refused, counted and logged (rpc/refusals.py)."""
+
+
 class RemoteException(RpcError):
     """A remote function raised an exception whose type cannot be rebuilt here."""
 

@@ -11,9 +11,10 @@ publishing (the log has no gaps) and all workers see the events in one order. A 
 joins reads the events before its own to learn who is a member, publishes its own, and
 connects to those members; every member has a thread that follows the log (``watch``) and
 admits each new member (its credential, its address) or lets go of one that left, before the
-joiner's handshake can finish. With a cluster secret every event is signed (bound to its
-number), and one that is not is ignored with a warning; without one the store is the group's
-trust root for as long as the group lives (see rendezvous.py).
+joiner's handshake can finish. Every event is signed with the cluster secret (bound to its
+number), and one that is not is ignored with a warning, so whoever writes to the store
+without the secret can neither join nor evict a member; only with ``insecure_store`` (no
+secret) is the store the group's trust root for as long as the group lives (cluster_secret.py).
 
 A group is either static (``world_size`` given, rendezvous.py) or dynamic: torch refuses to
 mix them, and so does this.
@@ -77,25 +78,14 @@ class DynamicGroup:
         me = {"op": "join", "name": name, "rank": self.rank, "address": address, "devices": devices or {},
               "credential": credential, "mechanism": mechanism}
         members: dict[int, dict] = {}
-        number, verified, forged = 1, False, None
+        number = 1
         while True:  # read the log up to its end, then take the next number, unless taken meanwhile
             while self.store.check([f"{KEY}/event/{number}"]):
-                try:
-                    event = self._read(number, strict=True)
-                except RendezvousError as exc:  # forged, or signed with another secret
-                    event, forged = None, forged or exc
-                if event is not None:
-                    verified = True
-                    if not _stale(self.joined, event):
-                        _apply(members, event)
-                        _note(self.joined, event, number)
+                event = self._read(number)  # (None: forged, or signed with another secret; logged)
+                if event is not None and not _stale(self.joined, event):
+                    _apply(members, event)
+                    _note(self.joined, event, number)
                 number += 1
-            if forged is not None and not verified:
-                # Not one event of the log is signed with our secret: it is not this worker's
-                # group (another secret), and joining it would start a group of one.
-                raise forged
-            if forged is not None:
-                log.warning("rank %d: %s; ignored", self.rank, forged)
             self._check_joining(members, name, mechanism)
             if self._publish(number, me):
                 break
@@ -165,17 +155,17 @@ class DynamicGroup:
         sealed = _seal(self._secret, key, json.dumps(event))
         return self.store.compare_set(key, "", sealed) == sealed.encode()
 
-    def _read(self, number: int, store: dist.Store | None = None, strict: bool = False) -> dict | None:
-        """Published event ``number`` (None: forged or malformed, with a warning; ``strict``:
-        raises the error of one not signed with our secret)."""
+    def _read(self, number: int, store: dist.Store | None = None) -> dict | None:
+        """Published event ``number`` (None: forged or malformed, with a warning). Events
+        that a worker with another secret wrote look forged too: the warning says so, and
+        such a worker's own join is ignored by every member (it finds nobody it can reach)."""
         store = store or self.store
         key = f"{KEY}/event/{number}"
         try:
             event = _unseal(self._secret, key, store.get(key))
         except RendezvousError as exc:
-            if strict:
-                raise
-            log.warning("rank %d: %s; ignored", self.rank, exc)
+            log.warning("rank %d: %s (forged, or written by a worker with another cluster secret); ignored",
+                        self.rank, str(exc).removesuffix("; refusing to join"))
             return None
         if not _well_formed(event):
             log.warning("rank %d: malformed event %d of the group ignored: %.200r", self.rank, number, event)

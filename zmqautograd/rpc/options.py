@@ -54,7 +54,8 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
             members of the group can connect at all (every connection is authenticated), so
             None (the default) sends them and accepts them from members, as torch does, unless
             ``allowed_functions`` restricts what members may run (then refused: a pickle runs
-            whatever it names); False: refused both ways; True: accepted from members always.
+            whatever it names); False: refused both ways; True: accepted from members always
+            (not with ``allowed_functions``).
         allowed_functions: None (the default, as torch): a member may call any function the
             callee can import. Else what members may name to be run or built by reference:
             entries ``"package.module"`` (all of it, submodules included) or
@@ -72,15 +73,22 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
             side with ``PeerOverloadedError`` naming this worker (0: no bound). A peer that
             floods this worker gets errors instead of this worker's memory; calls from other
             peers are served in turn meanwhile (the pool takes work round-robin by peer).
-        cluster_secret: the rendezvous records are signed with it, and a forged one is
-            refused (env ZMQAUTOGRAD_CLUSTER_SECRET; at least 16 bytes).
+        cluster_secret: signs every record of the rendezvous: a record it did not sign (a
+            forgery by whoever can write to the store) is ignored. At least 16 bytes; the
+            same on every worker. Default: env ZMQAUTOGRAD_CLUSTER_SECRET, or the file env
+            ZMQAUTOGRAD_CLUSTER_SECRET_FILE names, or, for a group confined to this host
+            (loopback store address, file:// store), the user's cookie
+            (~/.config/zmqautograd/cookie, made on first use). With none of them, init_rpc
+            refuses to start (docs/security.md).
+        insecure_store: start without a cluster secret where there is none (env
+            ZMQAUTOGRAD_INSECURE_STORE=1): whoever can write to the store can then join the
+            group and run code on its members (torch's trust in its store). Logged.
         encrypt: True (the default): every worker has a CURVE key pair of its own, made at
             init; only the public keys go to the store, and traffic between workers is
             encrypted (CurveZMQ). False: authenticated, not encrypted (ZMTP PLAIN with an
-            HMAC of a per-worker token): no cost on big tensors that cross a network, but
-            whoever can read the store can join unless there is a cluster_secret, which the
-            credentials are then bound to. Between workers of one host messages go through
-            shared memory either way (docs/transport.md, "Security"; figures in the README).
+            HMAC of a per-worker token, keyed by the cluster secret, which it needs): no
+            cost on big tensors that cross a network. Between workers of one host messages
+            go through shared memory either way (docs/transport.md, "Security").
         heartbeat_interval / peer_timeout: peer-loss detection bounds, in seconds.
         busy_poll: opt-in, seconds. After traffic, the endpoint's I/O thread keeps polling for
             this long instead of sleeping: lower latency on machines where waking a sleeping
@@ -130,6 +138,7 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
     max_queued_bytes: int = 1 << 32
     max_queued_calls: int = 1 << 16
     cluster_secret: str | None = field(default=None, repr=False)
+    insecure_store: bool = False
     encrypt: bool = True
     allowed_functions: Any = None
     heartbeat_interval: float = 1.0
@@ -164,6 +173,9 @@ class ZmqRpcBackendOptions(RpcBackendOptions):
         # What the endpoint would refuse at init_rpc, after the rendezvous began (where the
         # others would then wait for this rank until their timeout), is refused now.
         self.endpoint_options(DEFAULT_RPC_TIMEOUT_SEC)
+        if self.allow_pickle and self.allowed_functions is not None:
+            raise ValueError("allow_pickle=True accepts pickles from members, and a pickle can run anything: it cannot "
+                             "be combined with allowed_functions, which restricts what members may run")
         if self.max_queued_calls < 0:
             raise ValueError(f"max_queued_calls must be >= 0 (0: no bound), got {self.max_queued_calls}")
         if self.cuda_ipc and not self.lend_min:

@@ -1,11 +1,14 @@
 """Rendezvous through torch's own stores: every worker publishes (name, rank, address, the
 public part of its credentials), waits for all, and checks that the group is consistent.
 
-Without a cluster secret the store is the group's trust root, as torch's is: whoever can
-write to it during the rendezvous can add a member, and whoever can read it learns the
-members' public credentials (over "plain" that is enough to connect as one). With a cluster
-secret every record is signed (HMAC-SHA256 under a key derived from the secret, bound to its
-store key), and a record that is not is refused with an error that names it.
+Records are signed with the group's cluster secret (cluster_secret.py: HMAC-SHA256 under a
+key derived from it, bound to the rank's key), and readers take each rank's first record so
+signed: one that is not (a forgery by whoever can write the store, or a worker with another
+secret) is ignored with a warning, and the group starts all the same. Each record goes to
+the first free slot of its rank's key (``compare_set``), so a record published before or
+after ours never displaces it (overwriting keys on purpose, as deleting them, can only stop
+the group from starting). Only with ``insecure_store`` is there no secret: the store is then the group's
+trust root, as torch's is.
 
 The init URL names a torch TCPStore (``env://``, ``tcp://``; rank 0 hosts it) or a FileStore
 (``file://``). Keys are prefixed with a round number that each
@@ -16,6 +19,7 @@ FileStore that outlived a previous run) never sees stale entries.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -30,8 +34,11 @@ from zmqautograd.transport.security import record_is_authentic, sign_record
 
 from .errors import RendezvousError
 
+log = logging.getLogger(__name__)
+
 PREFIX = "zmqautograd"
 DYNAMIC_KEY = f"{PREFIX}/dynamic"  # the log of a dynamic group (membership.py)
+MAX_SLOTS = 64  # records a rank's key holds at most (rendezvous.exchange)
 MIXED = "RPC group mixes statically and dynamically initialized members which is not supported."
 
 # Stores outlive init_rpc/shutdown rounds. Re-creating rank 0's TCPStore server per round races
@@ -78,14 +85,16 @@ class Rendezvous:
         """Publish ours, wait for everyone's, check names and world size. ``devices``: this
         worker's device maps, devices and CUDA device count (JSON), for every peer to see;
         ``credential``/``mechanism``: how it proves itself to them; ``secret``: the cluster
-        secret, which signs our record and must have signed everyone's."""
+        secret, which signs our record and must have signed everyone's (a record that it did
+        not sign is ignored, with a warning: the group starts all the same)."""
         me = {"name": name, "rank": self.rank, "address": address, "world_size": self.world_size,
               "devices": devices or {}, "credential": credential, "mechanism": mechanism}
-        key = f"{self.key}/member/{self.rank}"
-        self.store.set(key, _seal(secret, key, json.dumps(me)))
-        keys = [f"{self.key}/member/{r}" for r in range(self.world_size)]
-        self._wait(keys, "join")
-        members = [_open(secret, k, self.store.get(k), rank) for rank, k in enumerate(keys)]
+        self._publish(json.dumps(me), secret)
+        members = self._collect(secret)
+        if members[self.rank] != me:
+            other = members[self.rank]
+            raise RendezvousError(f"rank {self.rank} is taken: worker {other['name']!r} ({other['address']}) "
+                                  "published it first")
         sizes = {m["world_size"] for m in members}
         if len(sizes) > 1:
             raise RendezvousError(f"workers disagree on world_size: {sorted(sizes)}")
@@ -104,26 +113,70 @@ class Rendezvous:
         return [Member(m["name"], m["rank"], m["address"], m.get("devices") or {}, m.get("credential", ""),
                        m.get("mechanism", "")) for m in members]
 
-    def _wait(self, keys: list[str], what: str, timeout: float | None = None) -> None:
+    # A rank's records go to numbered slots, each taken with compare_set: one written by
+    # someone else (a forgery, a leftover) never overwrites ours, nor ours it, and readers
+    # take the first one signed with the group's secret.
+
+    def _member_key(self, rank: int) -> str:
+        return f"{self.key}/member/{rank}"
+
+    def _publish(self, record: str, secret: bytes | None) -> None:
+        base = self._member_key(self.rank)
+        sealed = _seal(secret, base, record)
+        for slot in range(1, MAX_SLOTS + 1):
+            if self.store.compare_set(f"{base}/{slot}", "", sealed) == sealed.encode():
+                return
+        raise RendezvousError(f"rank {self.rank}: the store holds {MAX_SLOTS} records for this rank already "
+                              f"({base}): it is being flooded")
+
+    def _collect(self, secret: bytes | None) -> list[dict]:
+        """Every rank's first record signed with ``secret`` (the first well-formed one,
+        without a secret), waiting for them; the others are skipped, logged once each."""
+        deadline = time.monotonic() + self.timeout
+        found: dict[int, dict] = {}
+        slots = dict.fromkeys(range(self.world_size), 1)  # rank -> the slot it reads next
+        ignored: list[str] = []
+        while len(found) < self.world_size:
+            due = [f"{self._member_key(rank)}/{slots[rank]}" for rank in slots if rank not in found]
+            self._wait(due, "join", max(deadline - time.monotonic(), 0.0), ignored)
+            for rank in [r for r in slots if r not in found]:
+                while rank not in found and self.store.check([key := f"{self._member_key(rank)}/{slots[rank]}"]):
+                    slots[rank] += 1
+                    if slots[rank] > MAX_SLOTS:
+                        raise RendezvousError(f"rank {self.rank}: the store holds {MAX_SLOTS} records for rank "
+                                              f"{rank} and none of them is usable: it is being flooded")
+                    try:
+                        found[rank] = _open(secret, self._member_key(rank), self.store.get(key), rank)
+                    except RendezvousError as exc:
+                        ignored.append(key)
+                        log.warning("rank %d: ignored the record at %r: %s", self.rank, key,
+                                    str(exc).removesuffix("; refusing to join"))
+        return [found[rank] for rank in range(self.world_size)]
+
+    def _wait(self, keys: list[str], what: str, timeout: float | None = None, ignored: list[str] | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         try:
-            self.store.wait(keys, timedelta(seconds=timeout))
+            self.store.wait(keys, timedelta(seconds=max(timeout, 0.001)))
             return
         except Exception:  # torch raises several types for a timeout or a lost store
             pass
         try:
-            missing = [k.rsplit("/", 1)[1] for k in keys if not self.store.check([k])]
+            missing = [k.split("/")[3] for k in keys if not self.store.check([k])]
         except Exception:
             raise RendezvousError(
-                f"rank {self.rank}: the group did not {what} within {timeout:.0f} s (world_size={self.world_size}), "
+                f"rank {self.rank}: the group did not {what} within {self.timeout:.0f} s (world_size={self.world_size}), "
                 "and the rendezvous store (hosted by rank 0) is gone"
             ) from None
         if not missing and time.monotonic() < deadline:
             return
+        forged = ""
+        if ignored:
+            forged = (f"; records ignored, not signed with this worker's cluster secret (forged, or written by "
+                      f"workers with another secret): {', '.join(ignored[:8])}")
         raise RendezvousError(
-            f"rank {self.rank}: the group did not {what} within {timeout:.0f} s (world_size={self.world_size}): "
-            f"rank(s) {', '.join(missing)} did not {what}"
+            f"rank {self.rank}: the group did not {what} within {self.timeout:.0f} s (world_size={self.world_size}): "
+            f"rank(s) {', '.join(missing)} did not {what}{forged}"
         ) from None
 
 

@@ -228,7 +228,11 @@ class RRef(Generic[_T]):
                 self._check_created()
                 asked = api.rpc_async(self.owner(), _rref_typeof_on_owner, args=(self,), timeout=timeout)
                 future = Future()  # not asked.then(): it would wrap the owner's error
-                asked.add_done_callback(lambda done: settle_from(future, done, resolve_function))
+                # The owner names the type: this worker imports only what its policy allows
+                # peers to name (allowed_functions), as for any value by reference.
+                policy = self._context.agent.codec.policy
+                asked.add_done_callback(
+                    lambda done: settle_from(future, done, lambda ref: resolve_function(ref, policy)))
             self._type_future = future
         return future.wait() if blocking else future
 

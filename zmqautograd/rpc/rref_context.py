@@ -19,10 +19,16 @@ from zmqautograd.transport.errors import PeerLostError
 
 from .errors import RpcError
 from .futures import Future
+from .refusals import Refusals
 from .rref import RRef, RRefId
 from .rref_owner import _child_accept, _delete_fork, _fork_request
 
 log = logging.getLogger(__name__)
+
+_UNREGISTERED = object()  # (a fork's holder may be None: a fork this owner made, not yet sent)
+# The holder of a fork made as data (``RRef._serialize``): whichever worker decodes it, as
+# torch's; a bearer token, then, that binds nothing to a worker.
+BEARER = -1
 
 
 @dataclass
@@ -53,6 +59,7 @@ class RRefContext:
         self._made = threading.local()
         self.forks_made = 0
         self._counter = itertools.count(0)  # local ids from 0, as torch's
+        self.refusals = Refusals(f"{agent.info} (RRefs)")  # what members may not do to our forks
         # Registrations with their owners of the user RRefs that decoding on this thread made
         # (``take_registering``): a call that carries them runs once the owners confirmed
         # them, as torch's. ``forks_registered`` is 0 until the first (as ``forks_made``).
@@ -92,32 +99,65 @@ class RRefContext:
         with self._lock:
             return self._entry(rref_id).value
 
-    def add_fork(self, rref_id: RRefId, fork_id: tuple, holder: int | None = None) -> None:
+    # Forks are bound to the worker that holds them (docs/security.md): only it registers
+    # (``_fork_request``), accepts (``child_accepted``) or deletes one, and a delete that
+    # comes before its fork is registered (the owner's pool may serve the two in either
+    # order) counts only if the fork turns out to be its sender's. Ids count up, as torch's
+    # do (its tests read them), so another member can guess them: it is refused, counted
+    # and logged, and the holder's RRef is untouched.
+
+    def add_fork(self, rref_id: RRefId, fork_id: tuple, holder: int | None = None, made_by_holder: bool = False) -> None:
+        """Register ``fork_id`` of ``rref_id``, held by ``holder`` (None: a fork this owner
+        makes, whose holder ``sent_to`` names). ``made_by_holder``: the holder made the fork
+        id itself (remote()'s own fork), so it is the fork's, whoever registered it before."""
         with self._lock:
             entry = self._entry(rref_id)
-            if fork_id in entry.deleted_early:
-                del entry.deleted_early[fork_id]  # its delete came first: nothing to keep
+            registered = entry.forks.get(fork_id, _UNREGISTERED)
+            if registered is not _UNREGISTERED and registered != holder and not made_by_holder:
+                raise self.refusals.refuse(holder, f"the registration of RRef fork {fork_id} of {rref_id}, which "
+                                                   f"worker {registered} holds")
+            early = entry.deleted_early.pop(fork_id, _UNREGISTERED)
+            if early is not _UNREGISTERED and early != holder:
+                self.refusals.refuse(early, f"the deletion of RRef fork {fork_id} of {rref_id}, which worker "
+                                            f"{holder} holds")
+                early = _UNREGISTERED
+            if early is not _UNREGISTERED:
+                entry.forks.pop(fork_id, None)  # its delete came first: nothing to keep
                 self._maybe_release(rref_id, entry)
             elif self._is_lost(holder):
                 # A request that waited in our pool while its sender's loss was handled:
                 # ``peer_lost`` could not drop a fork not yet there, and nobody else will.
+                entry.forks.pop(fork_id, None)
                 self._maybe_release(rref_id, entry)
             else:
                 entry.forks[fork_id] = holder
 
     def delete_fork(self, rref_id: RRefId, fork_id: tuple, sender: int | None = None) -> None:
+        """``sender`` (None: this worker) lets go of its fork ``fork_id`` of ``rref_id``."""
         with self._lock:
+            entry = self._owned.get(rref_id)
+            if entry is None and sender is not None and not self._may_be_made(rref_id, sender):
+                # (an entry is not made for a value that will not be: it would never go)
+                raise self.refusals.refuse(sender, f"the deletion of a fork of RRef {rref_id}, which does not exist")
             entry = self._entry(rref_id)
             if fork_id in entry.forks:
                 holder = entry.forks[fork_id]
-                if sender is not None and holder is not None and holder != sender:
-                    # Only the worker that holds a fork releases it (sender: its connection).
-                    raise RpcError(f"RRef fork {fork_id} of {rref_id} is held by worker {holder}, "
-                                   f"not by worker {sender}, which asked to delete it")
+                if sender is not None and holder not in (sender, BEARER):
+                    # Only the worker that holds a fork releases it (sender: its connection); a
+                    # fork this owner made for a message is its receiver's once sent (sent_to).
+                    raise self.refusals.refuse(sender, f"the deletion of RRef fork {fork_id} of {rref_id}, which "
+                                                       f"{'nobody' if holder is None else f'worker {holder}'} holds")
                 del entry.forks[fork_id]
+            elif sender is not None and fork_id in entry.deleted_early:
+                raise self.refusals.refuse(sender, f"a second deletion of RRef fork {fork_id} of {rref_id}")
             elif not self._is_lost(sender):  # (a lost sender's fork is never kept: add_fork)
                 entry.deleted_early[fork_id] = sender
             self._maybe_release(rref_id, entry)
+
+    def _may_be_made(self, rref_id: RRefId, sender: int) -> bool:  # caller holds the lock
+        """Whether a value ``rref_id`` may still come to be here: its creator's remote() may
+        be on its way (one of ``sender``'s own), or it is being made."""
+        return rref_id[0] == sender
 
     def _is_lost(self, worker: int | None) -> bool:
         """Whether ``worker`` (a fork's holder, None for one we registered ourselves) is lost.
@@ -212,16 +252,20 @@ class RRefContext:
 
     # --------------------------------------------------------------------------- user side
 
-    def keep_for_child(self, fork_id: tuple, rref: "RRef") -> None:
+    def keep_for_child(self, fork_id: tuple, rref: "RRef", child: int | None = None) -> None:
+        """Keep ``rref`` until the child its fork goes to accepts it (``child``: None until
+        ``sent_to`` names it, BEARER for whichever worker decodes it)."""
         with self._lock:
-            self._pending_children[fork_id] = (rref, None)
+            self._pending_children[fork_id] = (rref, child)
 
     def child_accepted(self, fork_id: tuple, sender: int | None = None) -> None:
         with self._lock:
             kept = self._pending_children.get(fork_id)
-            if kept is not None and sender is not None and kept[1] is not None and kept[1] != sender:
-                # Only the worker we forked it to may say it has its own now.
-                raise RpcError(f"RRef fork {fork_id} went to worker {kept[1]}, not to worker {sender}")
+            if kept is not None and sender is not None and kept[1] not in (sender, BEARER):
+                # Only the worker we forked it to may say it has its own now (a fork's
+                # receiver is noted before the message that carries it leaves: sent_to).
+                raise self.refusals.refuse(sender, f"the acceptance of RRef fork {fork_id}, which went to "
+                                                   f"{'nobody yet' if kept[1] is None else f'worker {kept[1]}'}")
             kept = self._pending_children.pop(fork_id, None)
             if not self._pending_children:
                 self._children_accepted.notify_all()
@@ -375,12 +419,14 @@ class RRefContext:
         rref._check_created()
         fork_id = self.new_id()
         made: tuple[RRefId | None, RRefId]
+        # Whoever decodes the data of ``_serialize`` holds its fork: any worker may (BEARER).
+        holder = None if in_message else BEARER
         if rref.is_owner():
             # The owner registers the fork itself; the receiver's delete will remove it.
-            self.add_fork(rref.rref_id, fork_id)
+            self.add_fork(rref.rref_id, fork_id, holder)
             made = (rref.rref_id, fork_id)
         else:
-            self.keep_for_child(fork_id, rref)
+            self.keep_for_child(fork_id, rref, holder)
             made = (None, fork_id)
         if in_message:
             forks = getattr(self._made, "forks", None)

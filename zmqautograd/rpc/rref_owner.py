@@ -42,7 +42,7 @@ def _run_remote(rref_id_sent: list, fork_id: list | None, function: Callable, ar
         # remote()'s caller makes the ids (RRefContext.new_id): others' are not its to name.
         raise RpcError(f"worker {caller} sent remote() with RRef ids of another worker ({rref_id}, {fork_id})")
     if fork_id is not None:  # made by the caller, who holds it
-        context.add_fork(rref_id, tuple(fork_id), current.caller())
+        context.add_fork(rref_id, tuple(fork_id), caller, made_by_holder=caller is not None)
     future = context.begin_making(rref_id)
     if future is None:
         return  # its creator was lost before this ran: the value has failed already
@@ -81,17 +81,26 @@ def _fetch(rref_id: list) -> torch.futures.Future:
 
 @protocol_function
 def _fork_request(rref_id: list, fork_id: list) -> None:
-    _context().add_fork(tuple(rref_id), tuple(fork_id), current.caller())
+    _context().add_fork(tuple(rref_id), tuple(fork_id), _worker_caller())
 
 
 @protocol_function
 def _child_accept(fork_id: list) -> None:
-    _context().child_accepted(tuple(fork_id), current.caller())
+    _context().child_accepted(tuple(fork_id), _worker_caller())
 
 
 @protocol_function
 def _delete_fork(rref_id: list, fork_id: list) -> None:
-    _context().delete_fork(tuple(rref_id), tuple(fork_id), current.caller())
+    _context().delete_fork(tuple(rref_id), tuple(fork_id), _worker_caller())
+
+
+def _worker_caller() -> int:
+    """The worker whose call this is (None stands for this worker in the bookkeeping: a
+    member that is no worker of the group, an embedder's extra peer, is refused)."""
+    caller = current.caller()
+    if caller is None:
+        raise _context().refusals.refuse(caller, "an RRef protocol message")
+    return caller
 
 
 @protocol_function
@@ -120,10 +129,12 @@ def _call_method(name: str, rref: RRef, args: tuple, kwargs: dict) -> torch.futu
     """On the owner, for the proxies (``rref.rpc_sync().method(...)``): the method's result,
     as a future, so that a method marked ``async_execution`` is answered when the future it
     returns completes, as torch's proxies do. Where ``allowed_functions`` restricts what
-    peers may run, only public methods (no name that starts with "_")."""
-    if not isinstance(name, str) or (name.startswith("_") and _context().agent.codec.policy.restricted):
-        raise SerializationError(f"method {name!r:.60} may not be called by peers here (allowed_functions)")
-    method = getattr(rref.local_value(), name)
+    peers may run, only a method it lists (CallablePolicy.check_method)."""
+    if not isinstance(name, str):
+        raise SerializationError(f"method name {name!r:.60} is not a str")
+    value = rref.local_value()
+    _context().agent.codec.policy.check_method(type(value), name)
+    method = getattr(value, name)
     result = method(*args, **kwargs)
     if is_async_function(method):
         check_async_result(method, result)

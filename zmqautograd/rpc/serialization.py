@@ -10,15 +10,18 @@ payloads. Other objects msgpack cannot carry are pickled, with their tensors tak
 band (they still travel as tensor frames, never inside the pickle); the pickle fallback
 obeys ``allow_pickle``.
 
-What a member may name to be run or built is decided by a :class:`CallablePolicy` (the
-``allowed_functions`` option) before anything is imported; the protocol's own functions,
-marked with :func:`protocol_function`, are always allowed.
+What a member may name to be run or built (by a call, ``remote``, a value sent by
+reference), and which methods of an RRef's value it may call, is decided by a
+:class:`CallablePolicy` (the ``allowed_functions`` option): a name before anything is
+imported, and what it resolved to after; the protocol's own functions, marked with
+:func:`protocol_function`, are always allowed.
 """
 
 from __future__ import annotations
 
 import copyreg
 import importlib
+import inspect
 import io
 import logging
 import pickle
@@ -86,60 +89,212 @@ def protocol_function(function: _F) -> _F:
 
 
 class CallablePolicy:
-    """Which functions and classes a peer may name by reference (``allowed_functions``).
+    """Which functions and classes a peer may name by reference (``allowed_functions``), and
+    which methods of an RRef's value it may call through the RRef's proxies.
 
-    ``allowed``: None (anything importable, as torch), entries (``"pkg.module"``: it and all
-    below it; ``"pkg.module.function"``: that one), or ``(module, qualname) -> bool``."""
+    ``allowed``: None (anything importable, as torch); entries, resolved here (this worker's
+    own configuration: importing it is safe): a module (``"pkg.module"``: what is defined in
+    it or its submodules, named by one public name) or an object (``"pkg.module.function"``,
+    ``"torch.optim.SGD"``, ``"torch.Tensor.sum"``: that very object, by the names it goes
+    by); or a callable ``(module, qualname) -> bool``, asked for the name a peer sent and,
+    once resolved, for the object's own name. No name with a private or dunder part is
+    allowed unless it is exactly an object entry's, and a method reached through a class only
+    where it is an entry itself."""
 
     def __init__(self, allowed: Any = None):
         self.restricted = allowed is not None
         self._predicate: Callable[[str, str], bool] | None = None
-        self._entries: tuple[str, ...] = ()
+        self._modules: tuple[str, ...] = ()  # module entries
+        self._named: dict[tuple[str, str], Any] = {}  # object entries, by each name they go by
+        self._objects: dict[int, Any] = {}  # object entries, by id (methods: check_method)
         if callable(allowed):
             self._predicate = allowed
         elif allowed is not None:
-            if isinstance(allowed, str) or not all(isinstance(e, str) and e for e in allowed):
+            entries = tuple(allowed) if not isinstance(allowed, str) else ()
+            if isinstance(allowed, str) or not all(isinstance(e, str) and e for e in entries):
                 raise TypeError("allowed_functions must be a list of dotted names or a callable (module, qualname) -> bool")
-            # A function or class goes by the name of where it is defined (torch.optim.SGD as
-            # torch.optim.sgd.SGD): each entry that names one here also allows that name.
-            self._entries = tuple(allowed) + tuple(filter(None, map(_defined_name, allowed)))
+            modules = []
+            for entry in entries:
+                module, qualname, obj = _resolve_entry(entry)
+                if not qualname:
+                    modules.append(module)
+                    continue
+                self._objects[id(obj)] = obj
+                for name in {(module, qualname), *_own_names(obj), function_reference(obj)}:
+                    if name is not None and _names(name, obj):
+                        self._named[name] = obj
+            self._modules = tuple(modules)
         self._verdicts: dict[tuple[str, str], bool] = {}
+        self._answers: dict[tuple[str, str], bool] = {}  # the predicate's
 
     def allows(self, module: str, qualname: str) -> bool:
+        """Whether a peer may name ``module.qualname``, judged before anything is imported."""
         if not self.restricted or (module, qualname) in _PROTOCOL_FUNCTIONS:
             return True
         key = (module, qualname)
         verdict = self._verdicts.get(key)
         if verdict is None:
-            if self._predicate is not None:
-                verdict = bool(self._predicate(module, qualname))
-            else:
-                full = f"{module}.{qualname}"
-                verdict = any(full == e or full.startswith(e + ".") for e in self._entries)
-            if len(self._verdicts) < 4096:
-                self._verdicts[key] = verdict
+            verdict = key in self._named or self._by_name(module, qualname)
+            _memo(self._verdicts, key, verdict)
         return verdict
 
+    def _by_name(self, module: str, qualname: str) -> bool:
+        """Whether this name, every part of it public, is allowed by the predicate, or by a
+        module entry: one name in a listed module or in a submodule of one."""
+        if not (_public_path(module) and _public_path(qualname)):
+            return False
+        if self._predicate is not None:
+            return self._asks(module, qualname)
+        return "." not in qualname and _within(module, self._modules)
+
+    def _asks(self, module: str, qualname: str) -> bool:
+        assert self._predicate is not None
+        key = (module, qualname)
+        answer = self._answers.get(key)
+        if answer is None:
+            answer = bool(self._predicate(module, qualname))
+            _memo(self._answers, key, answer)
+        return answer
+
+    def allows_resolved(self, module: str, qualname: str, obj: Any) -> bool:
+        """Whether what ``module.qualname`` resolved to is what the entries allow: that very
+        object entry; for a module entry, an object defined in a listed module (not one it
+        imported); for a predicate, an object whose own name it allows too."""
+        if not self.restricted or (module, qualname) in _PROTOCOL_FUNCTIONS:
+            return True
+        if self._named.get((module, qualname), _MISSING) is obj:
+            return True
+        if not self._by_name(module, qualname):
+            return False
+        if self._predicate is not None:
+            return any(self._asks(*name) for name in _own_names(obj))
+        return _within(_defined_in(obj), self._modules)
+
     def check(self, module: str, qualname: str) -> None:
+        """Raise unless a peer may name ``module.qualname`` (before anything is imported)."""
         if not self.allows(module, qualname):
             raise SerializationError(
                 f"{module}.{qualname} may not be called or named here: it is not in this worker's allowed_functions")
 
+    def resolve(self, module: str, qualname: str, what: str = "") -> Any:
+        """What ``module.qualname`` names, where a peer may name it: checked, imported, and
+        checked again for what it turned out to be (a listed module's ``system`` may be the
+        ``os.system`` it imported). ``what``: the kind of thing, for the errors."""
+        self.check(module, qualname)
+        obj = _import_named(module, qualname, what)
+        if not self.allows_resolved(module, qualname, obj):
+            raise SerializationError(f"{module}.{qualname} may not be called or named here: it is {_described(obj)}, "
+                                     "which this worker's allowed_functions does not allow")
+        return obj
 
-def _defined_name(entry: str) -> str | None:
-    """Where the function or class ``entry`` names is defined, if that is another name (this
-    worker's own configuration: importing it is safe)."""
+    def check_method(self, cls: type, name: str) -> None:
+        """Raise unless a peer may call method ``name`` of a value of type ``cls`` (RRef
+        proxies): where restricted, only a listed method (an object entry that is
+        ``getattr(cls, name)``, or one the predicate allows), never a private or dunder one."""
+        if not self.restricted:
+            return
+        if isinstance(name, str) and _public_path(name) and "." not in name:
+            if self._predicate is not None:
+                allowed = self._asks(cls.__module__, f"{cls.__qualname__}.{name}")
+            else:
+                method = getattr(cls, name, _MISSING)
+                allowed = method is not _MISSING and self._objects.get(id(method), _MISSING) is method
+            if allowed:
+                return
+        raise SerializationError(f"method {name!r:.60} of {cls.__module__}.{cls.__qualname__} may not be called by "
+                                 "peers here: it is not in this worker's allowed_functions")
+
+
+_MISSING = object()
+
+
+def _memo(table: dict, key: Any, value: Any) -> None:
+    if len(table) < 4096:  # bounded: peers choose the names
+        table[key] = value
+
+
+def _public_path(dotted: str) -> bool:
+    """Whether every part of ``dotted`` is an identifier that does not start with "_"."""
+    return isinstance(dotted, str) and all(part.isidentifier() and not part.startswith("_") for part in dotted.split("."))
+
+
+def _within(module: Any, modules: tuple[str, ...]) -> bool:
+    """Whether ``module`` is one of ``modules`` or a submodule of one."""
+    return isinstance(module, str) and any(module == m or module.startswith(m + ".") for m in modules)
+
+
+def _defined_in(obj: Any) -> str | None:
+    """The module that defined ``obj`` (a module object itself has none)."""
+    module = None if isinstance(obj, types.ModuleType) else getattr(obj, "__module__", None)
+    return module if isinstance(module, str) else None
+
+
+def _own_names(obj: Any) -> list[tuple[str, str]]:
+    """The names ``obj`` goes by where it is defined, without importing anything: its module
+    and qualified name (a method descriptor's through its class: torch.Tensor.sum is
+    torch._C.TensorBase.sum), and its module and plain name where that module holds it so
+    (torch.add, whose qualified name is _VariableFunctionsClass.add)."""
+    module, qualname = _defined_in(obj), getattr(obj, "__qualname__", None)
+    owner = getattr(obj, "__objclass__", None)
+    if module is None and isinstance(owner, type) and isinstance(getattr(obj, "__name__", None), str):
+        module, qualname = owner.__module__, f"{owner.__qualname__}.{obj.__name__}"
+    if module is None or not isinstance(qualname, str):
+        return []
+    names = [(module, qualname)]
+    name, holder = getattr(obj, "__name__", None), sys.modules.get(module)
+    if isinstance(name, str) and name != qualname and holder is not None and vars(holder).get(name) is obj:
+        names.append((module, name))
+    return names
+
+
+def _described(obj: Any) -> str:
+    """What ``obj`` is, for an error: where it is defined."""
+    if isinstance(obj, types.ModuleType):
+        return f"module {obj.__name__}"
+    names = _own_names(obj)
+    if names:
+        return " or ".join(".".join(name) for name in names)
+    module = _defined_in(obj)
+    return f"a {type(obj).__qualname__}" + (f" of {module}" if module else " of no module")
+
+
+def _names(name: tuple[str, str], obj: Any) -> bool:
+    """Whether ``name`` resolves to ``obj`` (an entry's own names only: importing them is safe)."""
+    try:
+        return _resolve(*name) is obj
+    except (ImportError, AttributeError):
+        return False
+
+
+def _resolve_entry(entry: str) -> tuple[str, str, Any]:
+    """(module, qualname, object) for an ``allowed_functions`` entry, imported here: the
+    longest part of it that imports as a module, and the object the rest names in it
+    (qualname "" for a module entry). ValueError when it names neither."""
     parts = entry.split(".")
-    for split in range(len(parts) - 1, 0, -1):
+    if not all(part.isidentifier() for part in parts):
+        raise ValueError(f"allowed_functions entry {entry!r} is not a dotted name")
+    for split in range(len(parts), 0, -1):
+        module = ".".join(parts[:split])
         try:
-            obj = _resolve(".".join(parts[:split]), ".".join(parts[split:]))
-        except (ImportError, AttributeError):
-            continue
-        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-        if isinstance(module, str) and isinstance(qualname, str) and f"{module}.{qualname}" != entry:
-            return f"{module}.{qualname}"
-        return None
-    return None
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
+                continue  # no such module: a shorter part may be one
+            raise ValueError(f"allowed_functions entry {entry!r}: cannot import {module}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a module whose import fails
+            raise ValueError(f"allowed_functions entry {entry!r}: cannot import {module}: {exc}") from exc
+        qualname = ".".join(parts[split:])
+        try:
+            for part in parts[split:]:
+                obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise ValueError(f"allowed_functions entry {entry!r} names nothing: {exc}") from exc
+        if qualname and isinstance(obj, types.ModuleType):
+            # A module another one imported: its functions would be named through the import.
+            raise ValueError(f"allowed_functions entry {entry!r} is module {obj.__name__} as {module} imported it: "
+                             f"list {obj.__name__!r} itself")
+        return module, qualname, obj
+    raise ValueError(f"allowed_functions entry {entry!r} is neither a module nor an object in one")
 
 
 UNRESTRICTED = CallablePolicy()
@@ -160,13 +315,17 @@ def _resolve(module: str, qualname: str) -> Any:
     return obj
 
 
+class _NotImportable(SerializationError):
+    """A name that a peer may name but that does not import here."""
+
+
 def _import_named(module: str, qualname: str, what: str) -> Any:
     """``_resolve``, with a failure to import raised as the SerializationError that says
     ``cannot import <what><module>.<qualname>``."""
     try:
         return _resolve(module, qualname)
     except (ImportError, AttributeError) as exc:
-        raise SerializationError(f"cannot import {what}{module}.{qualname}: {exc}") from exc
+        raise _NotImportable(f"cannot import {what}{module}.{qualname}: {exc}") from exc
 
 
 # function -> its reference, for functions called before: finding a reference tries several
@@ -383,12 +542,16 @@ def _load_global(value: Any, policy: CallablePolicy = UNRESTRICTED) -> Any:
     if not (isinstance(value, list) and len(value) == 2 and all(isinstance(part, str) for part in value)):
         raise SerializationError("malformed global reference")
     module, qualname = value
+    if module == "torch":
+        # A constant (torch.channels_last) runs nothing: allowed whatever the policy. Looked up
+        # in torch's namespace only (its module __getattr__ would import what it names).
+        constant = vars(torch).get(qualname)
+        if type(constant) in _TORCH_CONSTANT_KINDS:
+            return constant
+    policy.check(module, qualname)  # first, so that a restricted worker's refusal names allowed_functions
     if _names_a_special_attribute(qualname):
         raise SerializationError(f"refused a global reference through a special attribute: {module}.{qualname}")
-    if module == "torch" and policy.restricted and type(getattr(sys.modules["torch"], qualname, None)) in _TORCH_CONSTANT_KINDS:
-        return getattr(sys.modules["torch"], qualname)  # a constant (torch.channels_last) runs nothing
-    policy.check(module, qualname)
-    return _import_named(module, qualname, "")
+    return policy.resolve(module, qualname)
 
 
 class FunctionRef:
@@ -422,13 +585,13 @@ def encode_function(function: Callable) -> Any:
 
 
 def resolve_function(function: Any, policy: CallablePolicy = UNRESTRICTED) -> Callable:
-    """The callable a request names; raises SerializationError if the policy refuses it (before
-    anything is imported) or it cannot be imported here."""
+    """The callable a request names; raises SerializationError if the policy refuses it (its
+    name before anything is imported, or what the name resolved to) or it cannot be imported
+    here."""
     if isinstance(function, FunctionRef):
-        policy.check(function.module, function.qualname)
         try:
-            return _import_named(function.module, function.qualname, "function ")
-        except SerializationError as exc:
+            return policy.resolve(function.module, function.qualname, "function ")
+        except _NotImportable as exc:
             # torch's words, for what the cause usually is.
             raise SerializationError(f"{exc}. RPC pickler does not serialize function code: ensure that UDFs "
                                      "are defined on both caller and callee modules") from exc.__cause__
@@ -462,14 +625,15 @@ def encode_exception(exc: BaseException) -> dict:
     return info
 
 
-def decode_exception(info: dict, where: str) -> BaseException:
+def decode_exception(info: dict, where: str, policy: CallablePolicy = UNRESTRICTED) -> BaseException:
     """The remote exception rebuilt with its own type where that type can be imported and
-    built from a message; else a RemoteException. The message names the worker and carries
+    built from a message (where ``policy`` is restricted, found without importing: see
+    ``_exception_type``); else a RemoteException. The message names the worker and carries
     the remote traceback."""
     where_and_what = f"On {where}:\n{info['message']}"
     remote_traceback = f"\n\nRemote traceback:\n{info['traceback']}"
     try:
-        kind = _resolve(info["module"], info["type"])
+        kind = _exception_type(info["module"], info["type"], policy)
     except Exception:  # noqa: BLE001 - unimportable here
         reason = "its type cannot be imported here"
     else:
@@ -487,3 +651,19 @@ def decode_exception(info: dict, where: str) -> BaseException:
     # torch's wording for this case ("Original exception on remote side was"), which tests grep.
     return RemoteException(f"{qualified}: {where_and_what}\n\nOriginal exception on remote side was {qualified}, "
                            f"not rebuilt here: {reason}.{remote_traceback}")
+
+
+def _exception_type(module: str, qualname: str, policy: CallablePolicy) -> Any:
+    """The class an answer's error names. Where ``policy`` is restricted, the peer that
+    answered may not make this worker import or run anything: only a class of a module loaded
+    already, looked up without running code (no import, no module ``__getattr__``, no
+    descriptor) and never through a dunder."""
+    if not policy.restricted:
+        return _resolve(module, qualname)
+    parts = [*module.split("."), *qualname.split(".")]
+    if not all(part.isidentifier() and not (part.startswith("__") and part.endswith("__")) for part in parts):
+        raise SerializationError(f"refused an exception type through a special name: {module}.{qualname}")
+    obj: Any = sys.modules[module]
+    for part in qualname.split("."):
+        obj = inspect.getattr_static(obj, part)
+    return obj
