@@ -416,10 +416,18 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
 
     def note_protocol_error(self, peer: str, reason: str) -> None:
         """A layer above found a message of ``peer`` that breaks its protocol (an answer from
-        a peer that was not asked, say): logged and counted in its ``protocol_errors``."""
-        log.warning("endpoint %s: protocol error from %s: %s", self.identity, peer, reason)
+        a peer that was not asked, say): counted in its ``protocol_errors``, and logged: the
+        peer's first as a warning, the rest at debug level (a peer that keeps at it must not
+        flood the log)."""
         with self._lock:
-            self._stats.setdefault(peer, PeerStats()).protocol_errors += 1
+            stats = self._stats.setdefault(peer, PeerStats())
+            stats.protocol_errors += 1
+            first = stats.protocol_errors == 1
+        if first:
+            log.warning("endpoint %s: protocol error from %s: %s (further ones of this peer are logged at debug level)",
+                        self.identity, peer, reason)
+        else:
+            log.debug("endpoint %s: protocol error from %s: %s", self.identity, peer, reason)
 
     def through_shared_memory(self, peer: str) -> bool:
         """Whether messages to ``peer`` go through a shared-memory ring now (transport/shm.py)."""

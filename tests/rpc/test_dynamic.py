@@ -321,3 +321,35 @@ def test_with_a_cluster_secret_a_forged_event_is_ignored_and_another_secret_cann
     assert cluster.join(2, "w2", secret="another secret, not the group's") == ("w2", "joined", ["w2"])
     assert cluster.join(3, "w3") == ("w3", "joined", ["w0", "w1", "w3"])  # the group's secret: it is ignored
     assert _names() == ["w0", "w1", "w3"]
+
+
+def test_with_the_default_secret_a_forged_join_and_leave_are_ignored(cluster, caplog):
+    """Default options (a group on this host signs its log with the user's cookie): whoever
+    writes to the store publishes a member of its own (an address it listens on) and then
+    that w1 left. Nobody connects to it, w1 stays a member, and a worker joining after it
+    sees the group as it is."""
+    import json
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    caplog.set_level(logging.WARNING, "zmqautograd.rpc.membership")
+    assert cluster.join(1, "w1") == ("w1", "joined", ["w0", "w1"])
+    trap = socket.create_server(("127.0.0.1", 0))
+    trap.setblocking(False)
+    store = dist.TCPStore("127.0.0.1", int(cluster.init_method.rsplit(":", 1)[1]), is_master=False,
+                          timeout=timedelta(seconds=10), wait_for_workers=False, multi_tenant=True)
+    forged = [{"op": "join", "name": "intruder", "rank": 9, "address": f"tcp://127.0.0.1:{trap.getsockname()[1]}",
+               "credential": "x" * 40, "mechanism": "curve"}, {"op": "leave", "rank": 1}]
+    for number, event in enumerate(forged, 3):
+        assert store.compare_set(f"zmqautograd/dynamic/event/{number}", "", json.dumps(event)) == json.dumps(event).encode()
+    assert cluster.join(2, "w2") == ("w2", "joined", ["w0", "w1", "w2"])  # (it read both: ignored)
+    poll_until(lambda: "w2" in _names(), 30, "w2 admitted here")  # (our watcher read past both)
+    assert _names() == ["w0", "w1", "w2"]
+    assert rpc.rpc_sync("w1", f.whoami) == "w1" and cluster.tell("w1", "w2") == ("w1", "called", "w2")
+    with pytest.raises(BlockingIOError):
+        trap.accept()  # nobody took the forged member for one
+    trap.close()
+    ignored = [r.getMessage() for r in caplog.records if "zmqautograd/dynamic/event/" in r.getMessage()]
+    assert any("event/3" in m for m in ignored) and any("event/4" in m for m in ignored), ignored

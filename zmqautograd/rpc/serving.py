@@ -17,7 +17,7 @@ from zmqautograd.transport import (
 )
 
 from . import current
-from .errors import SerializationError, user_error
+from .errors import NotEntitledError, SerializationError, user_error
 from .functions import check_async_result, is_async_function
 from .message_types import REQUEST_TYPES, RESPONSE_TYPES
 from .futures import when_all_done
@@ -126,7 +126,7 @@ class Serving:
         assert type(to) is str, "the endpoint admits no sender but its peers' names"
         me = self._me
         if request.payload.get("n"):  # one-way (notify): nobody waits for an answer
-            if error is not None:
+            if error is not None and not isinstance(error, NotEntitledError):  # (refusals log themselves)
                 log.warning("%s: one-way %s from %s failed: %s", self.info, request.type.name, to, error)
             return
         hooked = None
