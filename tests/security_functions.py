@@ -172,11 +172,13 @@ def release_contexts(to: int, context_ids: list) -> list[str]:
 
 def rref_protocol(to: int, function_name: str, args: list) -> str:
     """One of the RRef protocol's functions (``_delete_fork``, ``_fork_request``,
-    ``_child_accept``) on worker ``to``, with ids we were told or guessed."""
+    ``_child_accept``, ``_fetch``, ``_backward_on_owner``) on worker ``to``, with ids we were
+    told or guessed."""
     from zmqautograd.rpc import rref_owner
 
     kinds = {"_delete_fork": MessageType.RREF_USER_DELETE, "_fork_request": MessageType.RREF_FORK_REQUEST,
-             "_child_accept": MessageType.RREF_CHILD_ACCEPT}
+             "_child_accept": MessageType.RREF_CHILD_ACCEPT, "_fetch": MessageType.PYTHON_RREF_FETCH_CALL,
+             "_backward_on_owner": MessageType.RREF_BACKWARD_REQ}
     agent = _agent()
     return _outcome(agent.call(to, getattr(rref_owner, function_name), tuple(args), None, 10,
                                message_type=kinds[function_name]))
@@ -234,3 +236,7 @@ def threads() -> int:
     import threading
 
     return threading.active_count()
+
+
+def value_of(rref):
+    return rref.to_here()

@@ -130,6 +130,23 @@ def test_a_member_cannot_delete_or_take_another_workers_rref_forks(group):
     assert _refusals("worker1", 2) >= len(ahead) + 2
 
 
+def test_a_member_cannot_fetch_or_run_a_backward_pass_from_another_workers_rref(group):
+    """worker2 names the driver's RRef on worker1 (its id told, a fork id guessed): fetching
+    its value and running a local backward pass from it (which would write the gradients of
+    the driver's tensors there) are refused; the driver's own fetch works."""
+    x = torch.ones(2, requires_grad=True)
+    rref = rpc.remote("worker1", sf.scale, args=(x,))
+    assert torch.equal(rref.to_here(), torch.full((2,), 3.0))
+    rref_id, fork_id = list(rref.rref_id), list(rref.fork_id)
+    for function, args in (("_fetch", [rref_id, [2, fork_id[1]]]), ("_fetch", [rref_id]),
+                           ("_backward_on_owner", [rref_id, -1, False, [2, 0]])):
+        outcome = rpc.rpc_sync("worker2", sf.rref_protocol, args=(1, function, args))
+        assert outcome.startswith("NotEntitledError") and "which it holds no fork of" in outcome, outcome
+    assert torch.equal(rref.to_here(), torch.full((2,), 3.0))
+    # A fork the driver gives worker2 is worker2's to use.
+    assert torch.equal(rpc.rpc_sync("worker2", sf.value_of, args=(rref,)), torch.full((2,), 3.0))
+
+
 def test_reports_to_a_backward_pass_from_a_member_it_never_reached_are_refused(group):
     """A pipeline the driver relays (worker1, then worker2 on worker1's answer): its
     backward pass forwards the gradients from worker2 straight to worker1 (with the token
@@ -149,6 +166,10 @@ def test_reports_to_a_backward_pass_from_a_member_it_never_reached_are_refused(g
                 dist_autograd.backward(context_id, [loss])
                 assert torch.equal(dist_autograd.get_gradients(context_id)[x], torch.full((2,), 9.0))
     finally:
+        # (A call of ours to worker3 under one of the ids it forges could be answered by a
+        # forgery: worker3 is that call's callee. The call that stops it takes an id past them.)
+        while next(api._current()._ids) < next_id + 400:
+            pass
         sent = rpc.rpc_sync("worker3", sf.stop_reporting)
     assert sent > 0
     assert _refusals("worker0", 3) > 0  # (only those that came while a sink was open are reports)

@@ -397,7 +397,7 @@ class ContextContainer:
                 self._tombstones[context_id] = None  # (released for good: keeps out everyone)
             elif (releasers := self._tombstones[context_id]) is not None:
                 self._tombstones[context_id] = releasers | {third_party}
-        if self._release_waiters:  # (a notify costs ~1 us; only tests and shutdown wait)
+            if self._release_waiters:  # (a notify costs ~1 us; only tests and shutdown wait)
                 self._released.notify_all()
         if context is not None:
             context.released = True

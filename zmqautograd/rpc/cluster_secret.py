@@ -54,8 +54,12 @@ class ClusterSecretError(RendezvousError):
 
 def resolve(cluster_secret: str | bytes | None, init_method: str, encrypt: bool = True,
             insecure_store: bool = False) -> bytes | None:
-    """This worker's cluster secret (see the module's doc), None where the user opted out."""
+    """This worker's cluster secret (see the module's doc), None where the user opted out
+    (or where no store is named at all: the rendezvous then refuses the init_method, with the
+    error torch gives for it, and nothing starts)."""
     secret = _given(cluster_secret)
+    if secret is None and _store_host(init_method) is None and not init_method.startswith("file://"):
+        return None
     if secret is None and not (insecure_store or _insecure_by_environment()):
         if store_is_local(init_method):
             secret = user_cookie()

@@ -36,6 +36,7 @@ ahead of a child's fork request, or the owner lets go of a value the child still
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
@@ -179,7 +180,8 @@ class RRef(Generic[_T]):
         agent = self._context.agent
         if self._deleted or agent.closed:  # shutdown() deleted this worker's user RRefs: torch's message
             raise RpcError(f"Cannot call to_here() on it after deletion. ({self}: RPC was shut down on {agent.info})")
-        value = agent.call_sync(self.owner_id, _fetch, (list(self.rref_id),), None, timeout,
+        self._await_registration()
+        value = agent.call_sync(self.owner_id, _fetch, (list(self.rref_id), list(self.fork_id or ())), None, timeout,
                                 message_type=MessageType.PYTHON_RREF_FETCH_CALL)
         # The owner registers a fork before it stores the value, so having the value proves it
         # (the fetch can overtake remote()'s own acknowledgement).
@@ -202,9 +204,20 @@ class RRef(Generic[_T]):
         if dist_autograd_ctx_id == -1:
             raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
         self._check_created()
+        self._await_registration()
         self._context.agent.call_sync(self.owner_id, _backward_on_owner,
-                                      (list(self.rref_id), dist_autograd_ctx_id, retain_graph), None, -1.0,
-                                      message_type=MessageType.RREF_BACKWARD_REQ)
+                                      (list(self.rref_id), dist_autograd_ctx_id, retain_graph, list(self.fork_id or ())),
+                                      None, -1.0, message_type=MessageType.RREF_BACKWARD_REQ)
+
+    def _await_registration(self) -> None:
+        """The owner serves the value only to the worker that holds a fork of it: one that is
+        not this RRef's creator waits until the owner has registered its fork (its request
+        may still be on its way, or waiting for the owner's pool)."""
+        if self._confirmed.is_set() or self.rref_id[0] == self._context.agent.rank:
+            return
+        pool = self._context.agent.pool
+        with pool.blocking() if pool.owns_current_thread() else contextlib.nullcontext():
+            self._creation.wait()
 
     def _get_type(self, timeout: float = -1.0, blocking: bool = True) -> Any:
         """The type of the value (torch's private API; its tests and proxies use it), or with

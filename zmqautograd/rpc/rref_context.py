@@ -154,6 +154,19 @@ class RRefContext:
                 entry.deleted_early[fork_id] = sender
             self._maybe_release(rref_id, entry)
 
+    def check_user(self, rref_id: RRefId, fork_id: tuple | None, caller: int) -> None:
+        """Raise unless ``caller`` may use the value ``rref_id`` owned here (fetch it, start a
+        backward pass from it): this worker, its creator (remote()'s caller made the id), or
+        the holder of its fork ``fork_id`` (a fork made as data: whoever shows it). Ids count
+        up, so a member could name others' values: it is refused."""
+        if caller in (self.agent.rank, rref_id[0]):
+            return
+        with self._lock:
+            entry = self._owned.get(rref_id)
+            holder = _UNREGISTERED if entry is None or fork_id is None else entry.forks.get(fork_id, _UNREGISTERED)
+        if holder not in (caller, BEARER):
+            raise self.refusals.refuse(caller, f"the use of RRef {rref_id}, which it holds no fork of")
+
     def _may_be_made(self, rref_id: RRefId, sender: int) -> bool:  # caller holds the lock
         """Whether a value ``rref_id`` may still come to be here: its creator's remote() may
         be on its way (one of ``sender``'s own), or it is being made."""

@@ -73,8 +73,11 @@ def _failed(future: torch.futures.Future) -> bool:
 
 @protocol_function
 @answered_when_done
-def _fetch(rref_id: list) -> torch.futures.Future:
-    return _context().owner_value(tuple(rref_id))
+def _fetch(rref_id: list, fork_id: list | None = None) -> torch.futures.Future:
+    """The value, for its creator or the holder of its fork ``fork_id`` (RRefContext.check_user)."""
+    context = _context()
+    context.check_user(tuple(rref_id), None if fork_id is None else tuple(fork_id), _worker_caller())
+    return context.owner_value(tuple(rref_id))
 
 # The worker a fork request or a delete is for is the one it came from (current.caller: the
 # authenticated connection), never a rank its payload names.
@@ -104,10 +107,12 @@ def _worker_caller() -> int:
 
 
 @protocol_function
-def _backward_on_owner(rref_id: list, context_id: int, retain_graph: bool) -> None:
-    """On the owner, for a user's ``RRef.backward``: once the value is there (a remote() may
-    still be running), the pass starts here, so this worker is its originator."""
+def _backward_on_owner(rref_id: list, context_id: int, retain_graph: bool, fork_id: list | None = None) -> None:
+    """On the owner, for a user's ``RRef.backward`` (its creator's, or the holder's of fork
+    ``fork_id``): once the value is there (a remote() may still be running), the pass starts
+    here, so this worker is its originator."""
     context = _context()
+    context.check_user(tuple(rref_id), None if fork_id is None else tuple(fork_id), _worker_caller())
     value = context.owner_value(tuple(rref_id))
     if not value.done():
         with context.agent.pool.blocking():  # the call that makes the value may need a thread
