@@ -240,3 +240,27 @@ def threads() -> int:
 
 def value_of(rref):
     return rref.to_here()
+
+
+class _SlowBackward:
+    """x -> x whose backward takes ``seconds``: a window in which a pass waits for it."""
+
+    seconds = 0.3
+
+
+def slow_backward_scale(x):
+    import time
+
+    import torch
+
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, value):
+            return value.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(_SlowBackward.seconds)  # (the test's window: the pass waits meanwhile)
+            return grad
+
+    return Slow.apply(x) * 3

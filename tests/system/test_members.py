@@ -150,29 +150,30 @@ def test_a_member_cannot_fetch_or_run_a_backward_pass_from_another_workers_rref(
 def test_reports_to_a_backward_pass_from_a_member_it_never_reached_are_refused(group):
     """A pipeline the driver relays (worker1, then worker2 on worker1's answer): its
     backward pass forwards the gradients from worker2 straight to worker1 (with the token
-    the driver's route gives it) and takes their reports at a sink. worker3, which takes no
-    part, floods every sink id the driver may open with reports that would fail the pass or
-    settle what it waits for: refused, and every pass gives local autograd's gradients."""
+    the driver's route gives it) and waits for their reports at a sink, while worker1's part
+    takes 0.3 s. worker3, which takes no part, floods the sink ids the driver may have
+    opened with reports that would fail the pass or settle what it waits for: refused, and
+    every pass gives local autograd's gradients."""
     from zmqautograd.rpc import api
 
     x = torch.randn(2, requires_grad=True)
-    next_id = next(api._current()._ids)  # the driver's call ids: a sink's id is one of them
-    rpc.rpc_sync("worker3", sf.start_reporting, args=(0, next_id, 400, 0))
-    try:
-        for _ in range(20):
-            with dist_autograd.context() as context_id:
-                h = rpc.rpc_sync("worker1", sf.scale, args=(x,))
-                loss = rpc.rpc_sync("worker2", sf.scale, args=(h,)).sum()
+    for _ in range(3):
+        before = _refusals("worker0", 3)
+        with dist_autograd.context() as context_id:
+            h = rpc.rpc_sync("worker1", sf.slow_backward_scale, args=(x,))
+            loss = rpc.rpc_sync("worker2", sf.scale, args=(h,)).sum()
+            first = next(api._current()._ids)  # the driver's call ids: its sink's is one of the next
+            _attack("worker3", sf.start_reporting, 0, first, 8, context_id)
+            try:
                 dist_autograd.backward(context_id, [loss])
-                assert torch.equal(dist_autograd.get_gradients(context_id)[x], torch.full((2,), 9.0))
-    finally:
-        # (A call of ours to worker3 under one of the ids it forges could be answered by a
-        # forgery: worker3 is that call's callee. The call that stops it takes an id past them.)
-        while next(api._current()._ids) < next_id + 400:
-            pass
-        sent = rpc.rpc_sync("worker3", sf.stop_reporting)
-    assert sent > 0
-    assert _refusals("worker0", 3) > 0  # (only those that came while a sink was open are reports)
+            finally:
+                # (A call of ours to worker3 under an id it forges could be answered by the
+                # forgery: worker3 is that call's callee. The call that stops it takes an id past them.)
+                while next(api._current()._ids) < first + 8:
+                    pass
+                sent = _attack("worker3", sf.stop_reporting)
+            assert torch.equal(dist_autograd.get_gradients(context_id)[x], torch.full((2,), 9.0))
+        assert sent > 0 and _refusals("worker0", 3) > before, (sent, before)
 
 
 def test_after_every_attack_no_worker_crashed_hung_or_leaked(group):

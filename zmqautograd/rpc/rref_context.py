@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import weakref
@@ -25,6 +26,7 @@ from .rref_owner import _child_accept, _delete_fork, _fork_request
 
 log = logging.getLogger(__name__)
 
+_FORK_ID_BASE = 1 << 61  # forks made for other workers: 1 << 61 and up (new_fork_id)
 _UNREGISTERED = object()  # (a fork's holder may be None: a fork this owner made, not yet sent)
 # The holder of a fork made as data (``RRef._serialize``): whichever worker decodes it, as
 # torch's; a bearer token, then, that binds nothing to a worker.
@@ -80,6 +82,12 @@ class RRefContext:
 
     def new_id(self) -> tuple:
         return (self.agent.rank, next(self._counter))
+
+    def new_fork_id(self) -> tuple:
+        """The id of a fork made for another worker (``encode``): random, above the counter's
+        ids, so that no other member can guess it and register, accept or delete it before
+        the worker it is for (remote()'s ids count up, as torch's: its tests read them)."""
+        return (self.agent.rank, _FORK_ID_BASE | int.from_bytes(os.urandom(8), "little") >> 3)
 
     def start_ids(self, incarnation: int) -> None:
         """A member of a dynamic group, the ``incarnation``-th event of its log: local ids of
@@ -430,7 +438,7 @@ class RRefContext:
         if rref._deleted:
             raise RpcError(f"Cannot call fork an UserRRef after deletion. ({rref})")  # torch's words
         rref._check_created()
-        fork_id = self.new_id()
+        fork_id = self.new_fork_id()
         made: tuple[RRefId | None, RRefId]
         # Whoever decodes the data of ``_serialize`` holds its fork: any worker may (BEARER).
         holder = None if in_message else BEARER

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from . import current
-from .errors import RpcError, SerializationError, as_operator_error, user_error
+from .errors import NotEntitledError, RpcError, SerializationError, as_operator_error, user_error
 from .functions import answered_when_done, check_async_result, is_async_function
 from .futures import Future, settle_from
 from .serialization import protocol_function
@@ -75,9 +75,26 @@ def _failed(future: torch.futures.Future) -> bool:
 @answered_when_done
 def _fetch(rref_id: list, fork_id: list | None = None) -> torch.futures.Future:
     """The value, for its creator or the holder of its fork ``fork_id`` (RRefContext.check_user)."""
-    context = _context()
-    context.check_user(tuple(rref_id), None if fork_id is None else tuple(fork_id), _worker_caller())
-    return context.owner_value(tuple(rref_id))
+    context, caller = _context(), _worker_caller()
+    rref_id_, fork_id_ = tuple(rref_id), None if fork_id is None else tuple(fork_id)
+    context.check_user(rref_id_, fork_id_, caller)
+    value = context.owner_value(rref_id_)
+    if value.done() or caller == rref_id_[0]:
+        return value
+    checked: torch.futures.Future = Future()
+
+    def check_again(done: torch.futures.Future) -> None:
+        # A fork registered by another worker before its creator's remote() came (whose
+        # registration is the fork's own: add_fork) was not that worker's to hold.
+        try:
+            context.check_user(rref_id_, fork_id_, caller)
+        except NotEntitledError as exc:
+            checked.set_exception(exc)
+            return
+        settle_from(checked, done)
+
+    value.add_done_callback(check_again)
+    return checked
 
 # The worker a fork request or a delete is for is the one it came from (current.caller: the
 # authenticated connection), never a rank its payload names.
@@ -111,12 +128,14 @@ def _backward_on_owner(rref_id: list, context_id: int, retain_graph: bool, fork_
     """On the owner, for a user's ``RRef.backward`` (its creator's, or the holder's of fork
     ``fork_id``): once the value is there (a remote() may still be running), the pass starts
     here, so this worker is its originator."""
-    context = _context()
-    context.check_user(tuple(rref_id), None if fork_id is None else tuple(fork_id), _worker_caller())
-    value = context.owner_value(tuple(rref_id))
+    context, caller = _context(), _worker_caller()
+    rref_id_, fork_id_ = tuple(rref_id), None if fork_id is None else tuple(fork_id)
+    context.check_user(rref_id_, fork_id_, caller)
+    value = context.owner_value(rref_id_)
     if not value.done():
         with context.agent.pool.blocking():  # the call that makes the value may need a thread
             value.wait()
+        context.check_user(rref_id_, fork_id_, caller)  # (as _fetch's, once the value is made)
     _backward_value(value.wait(), context_id, retain_graph)
 
 def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
