@@ -396,18 +396,22 @@ def _accept_gradients(agent: AgentPort, context_id: int, message_id: int, pass_i
     and the token it shows; a sender that is not entitled to them is refused
     (``NotEntitledError``), which fails no pass here."""
     hooks = agent.hooks
+    ctx = None
     if sender is not None and sender != agent.rank:
         # Whether the sender may deliver these at all, before anything it says can touch a
         # pass here: only a worker of the context fails our pass with what is wrong with them.
         ctx = hooks.contexts.retrieve(context_id)
-        with contextlib.suppress(RpcError):  # (an unknown one fails the pass below, as it would)
-            ctx.send_function(message_id)  # waits for one still being recorded
+        if ctx.recorded_send(message_id) is None:
+            with contextlib.suppress(RpcError):  # (an unknown one fails the pass below, as it would)
+                ctx.send_function(message_id)  # waits for one still being recorded
         why = ctx.check_gradient_sender(message_id, sender, token)
         if why is not None:
             raise hooks.refusals.refuse(sender, why)
     try:
-        ctx = hooks.contexts.retrieve(context_id)
-        ctx.send_function(message_id)  # a clear error for an unknown message id
+        if ctx is None:
+            ctx = hooks.contexts.retrieve(context_id)
+        if ctx.recorded_send(message_id) is None:
+            ctx.send_function(message_id)  # waits for one still being recorded; an unknown id's clear error
         with _pass_lock:
             run = ctx.current_pass
             first = run is None or run.pass_id != pass_id

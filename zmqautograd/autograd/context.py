@@ -269,10 +269,11 @@ class _UnguessableIds:
 
     def __call__(self, counter: int) -> int:
         left, right = counter >> 24, counter & 0xFFFFFF
+        from_bytes = int.from_bytes
         for round_function in self._rounds:
             digest = round_function.copy()
             digest.update(right.to_bytes(3, "big"))
-            left, right = right, left ^ int.from_bytes(digest.digest(), "big")
+            left, right = right, left ^ from_bytes(digest.digest(), "big")
         return (left << 24) | right
 
 
@@ -412,10 +413,11 @@ class ContextContainer:
         contexts removed, and the ids of those it may not release (it never took part in
         them here: refused)."""
         removed, refused = [], []
+        contexts = self._contexts
         for context_id in context_ids:
             if type(context_id) is not int:
                 raise RpcError(f"malformed autograd context id {context_id!r:.40}")
-            context = self.get(context_id)
+            context = contexts.get(context_id)  # (a dict lookup is atomic: remove() decides under the lock)
             if context is not None and not context.knows(from_worker):
                 refused.append(context_id)
                 continue

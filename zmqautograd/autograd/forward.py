@@ -86,9 +86,11 @@ def record_recv(container: ContextContainer, metadata: Any, tensors: list, from_
     request joins (makes) the context; a response only records into a context that still
     exists here. None when the context was released here (the message is then served
     without recording)."""
-    if type(metadata) is not list or len(metadata) != 3 or not all(type(item) is int for item in metadata):
+    if type(metadata) is not list or len(metadata) != 3:
         raise ValueError(f"malformed autograd metadata {metadata!r:.80}")
     context_id, message_id, token = metadata
+    if type(context_id) is not int or type(message_id) is not int or type(token) is not int:
+        raise ValueError(f"malformed autograd metadata {metadata!r:.80}")
     if response:
         context = container.get(context_id)
         if context is None:

@@ -180,6 +180,8 @@ class CallablePolicy:
         """What ``module.qualname`` names, where a peer may name it: checked, imported, and
         checked again for what it turned out to be (a listed module's ``system`` may be the
         ``os.system`` it imported). ``what``: the kind of thing, for the errors."""
+        if not self.restricted:  # (every call resolves its function: the usual case first)
+            return _import_named(module, qualname, what)
         self.check(module, qualname)
         obj = _import_named(module, qualname, what)
         if not self.allows_resolved(module, qualname, obj):
