@@ -65,9 +65,14 @@ class Dispatcher:
         return Message(envelope.type, envelope.id, envelope.sender, payload, tensors)
 
     def _reject_payload(self: Endpoint, peer: str, envelope: Envelope, exc: TransportError) -> None:
-        log.warning("endpoint %s: malformed %s payload from %s: %s", self.identity, envelope.type.name, peer, str(exc))
         with self._lock:
             self._stats[peer].protocol_errors += 1
+            first = self._stats[peer].protocol_errors == 1
+        # A peer's first as a warning, the rest at debug level (a peer that keeps sending them
+        # must not flood the log); every one is counted, and answered.
+        log.log(logging.WARNING if first else logging.DEBUG, "endpoint %s: malformed %s payload from %s: %s%s",
+                self.identity, envelope.type.name, peer, str(exc),
+                " (further ones of this peer are logged at debug level)" if first else "")
         try:
             self.send(peer, self._protocol_error_message(envelope, exc))
         except TransportError:

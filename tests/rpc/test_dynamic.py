@@ -259,9 +259,10 @@ def test_a_late_word_that_a_restarted_member_was_lost_does_not_evict_it(cluster)
     events = [_unseal(secret, f"zmqautograd/dynamic/event/{n}", store.get(f"zmqautograd/dynamic/event/{n}"))
               for n in range(1, 5)]
     first_join = next(n for n, e in enumerate(events, 1) if e["op"] == "join" and e["name"] == "w1")
-    assert {"op": "lost", "rank": 1, "join": first_join} in events  # w0's word, about the first w1
+    assert {"op": "lost", "rank": 1, "join": first_join, "group": events[0]["group"]} in events  # w0's word
     # Another member's word about the first w1, arriving after the second joined.
-    late = _seal(secret, "zmqautograd/dynamic/event/5", json.dumps({"op": "lost", "rank": 1, "join": first_join}))
+    late = _seal(secret, "zmqautograd/dynamic/event/5", json.dumps(
+        {"op": "lost", "rank": 1, "join": first_join, "group": events[0]["group"]}))
     assert store.compare_set("zmqautograd/dynamic/event/5", "", late) == late.encode()
     # Whoever joins next reads it first, and so does every member before it admits the joiner.
     assert cluster.join(2, "w2") == ("w2", "joined", ["w0", "w1", "w2"])
@@ -326,8 +327,9 @@ def test_with_a_cluster_secret_a_forged_event_is_ignored_and_another_secret_cann
 def test_with_the_default_secret_a_forged_join_and_leave_are_ignored(cluster, caplog):
     """Default options (a group on this host signs its log with the user's cookie): whoever
     writes to the store publishes a member of its own (an address it listens on) and then
-    that w1 left. Nobody connects to it, w1 stays a member, and a worker joining after it
-    sees the group as it is."""
+    that w1 left, unsigned, and replays a signed leave of w1 from another group's log.
+    Nobody connects to it, w1 stays a member, and a worker joining after it sees the group as
+    it is."""
     import json
     import socket
     from datetime import timedelta
@@ -341,9 +343,14 @@ def test_with_the_default_secret_a_forged_join_and_leave_are_ignored(cluster, ca
     store = dist.TCPStore("127.0.0.1", int(cluster.init_method.rsplit(":", 1)[1]), is_master=False,
                           timeout=timedelta(seconds=10), wait_for_workers=False, multi_tenant=True)
     forged = [{"op": "join", "name": "intruder", "rank": 9, "address": f"tcp://127.0.0.1:{trap.getsockname()[1]}",
-               "credential": "x" * 40, "mechanism": "curve"}, {"op": "leave", "rank": 1}]
+               "credential": "x" * 40, "mechanism": "curve", "group": "any"}, {"op": "leave", "rank": 1, "group": "any"}]
     for number, event in enumerate(forged, 3):
         assert store.compare_set(f"zmqautograd/dynamic/event/{number}", "", json.dumps(event)) == json.dumps(event).encode()
+    # And a leave signed with the group's own secret, but another group's (replayed from the
+    # log of an earlier group on this host, whose workers used the same cookie).
+    key = "zmqautograd/dynamic/event/5"
+    replayed = _seal(cluster_secret.user_cookie(), key, json.dumps({"op": "leave", "rank": 1, "group": "an earlier group"}))
+    assert store.compare_set(key, "", replayed) == replayed.encode()
     assert cluster.join(2, "w2") == ("w2", "joined", ["w0", "w1", "w2"])  # (it read both: ignored)
     poll_until(lambda: "w2" in _names(), 30, "w2 admitted here")  # (our watcher read past both)
     assert _names() == ["w0", "w1", "w2"]
@@ -353,3 +360,4 @@ def test_with_the_default_secret_a_forged_join_and_leave_are_ignored(cluster, ca
     trap.close()
     ignored = [r.getMessage() for r in caplog.records if "zmqautograd/dynamic/event/" in r.getMessage()]
     assert any("event/3" in m for m in ignored) and any("event/4" in m for m in ignored), ignored
+    assert any("event 5 of the log is another group's" in r.getMessage() for r in caplog.records)

@@ -21,12 +21,19 @@ class _Endpoint:
         return peer in self.lost
 
 
+class _Pool:
+    def owns_current_thread(self) -> bool:
+        return False
+
+
 class _Agent:
     """What RRefContext uses of its agent; ``closed`` keeps user deletes from being sent."""
 
     rank = 0
     info = "worker 0"
     closed = True
+    default_timeout = 30.0
+    pool = _Pool()
 
     def __init__(self, lost: set[str]) -> None:
         self.endpoint = _Endpoint(lost)

@@ -121,9 +121,12 @@ def test_a_member_cannot_delete_or_take_another_workers_rref_forks(group):
         outcome = rpc.rpc_sync("worker2", sf.rref_protocol, args=(1, "_delete_fork", [rref_id, fork_id]))
         assert outcome.startswith("NotEntitledError") and "which does not exist" in outcome, outcome
     held = [list(probe.rref_id), list(probe.fork_id)]
-    for function in ("_delete_fork", "_fork_request"):
+    for function, why in (("_delete_fork", "which worker 0 holds"), ("_fork_request", "did not fork to it")):
         outcome = rpc.rpc_sync("worker2", sf.rref_protocol, args=(1, function, held))
-        assert outcome.startswith("NotEntitledError") and "which worker 0 holds" in outcome, outcome
+        assert outcome.startswith("NotEntitledError") and why in outcome, outcome
+    # A fork worker2 made up, of a value it holds nothing of, and of one whose holder did not fork it.
+    outcome = rpc.rpc_sync("worker2", sf.rref_protocol, args=(1, "_fork_request", [list(probe.rref_id), [2, 7]]))
+    assert outcome.startswith("NotEntitledError") and "which no holder of it made" in outcome, outcome
     rrefs = [rpc.remote("worker1", torch.add, args=(torch.ones(2), i)) for i in range(4)]
     assert [r.to_here().tolist() for r in rrefs] == [[1.0 + i] * 2 for i in range(4)]
     assert torch.equal(probe.to_here(), torch.ones(2))

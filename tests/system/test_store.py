@@ -74,6 +74,13 @@ def test_a_cookie_others_may_read_is_refused_with_the_fix(no_secret_given):
         resolve(None, "tcp://127.0.0.1:1")
 
 
+def test_a_cookie_in_a_folder_others_may_write_is_refused(no_secret_given):
+    resolve(None, "tcp://127.0.0.1:1")
+    no_secret_given.parent.chmod(0o777)
+    with pytest.raises(ClusterSecretError, match=r"may be written by others .*chmod 700"):
+        resolve(None, "tcp://127.0.0.1:1")
+
+
 def test_a_store_other_hosts_reach_needs_a_secret_and_init_rpc_says_the_line_to_add(no_secret_given, monkeypatch):
     with pytest.raises(ClusterSecretError, match=r"reached from other hosts.*export ZMQAUTOGRAD_CLUSTER_SECRET=\$\("):
         resolve(None, ELSEWHERE)

@@ -293,7 +293,10 @@ def _ticketed_request(agent: AgentPort, context_id: int, message_id: int, pass_i
     except NotEntitledError:
         raise  # (counted and logged: the sender of a one-way request learns nothing more)
     except Exception as exc:  # noqa: BLE001 - goes to the originator, which waits for this report
-        _report(agent, originator, sink, context_id, pass_id, [], None, f"Error on Node {agent.rank}: {exc}")
+        # With what was delegated to it and its own ticket: the originator takes an error only
+        # from a worker a ticket of the pass went to, which these announce.
+        items = (delegated or []) + [[number, []]] if type(number) is int and type(delegated) in (list, type(None)) else []
+        _report(agent, originator, sink, context_id, pass_id, items, None, f"Error on Node {agent.rank}: {exc}")
         return
     if not first:
         _report(agent, originator, sink, context_id, pass_id, (delegated or []) + [[number, []]], None, None)
@@ -351,36 +354,49 @@ def _settle_report(agent: AgentPort, run: Pass, report: Any, error: BaseExceptio
     the pass's context, or that claims what is another's, is refused (counted, logged, and
     the pass goes on: Pass.take_report); anything else wrong with it fails the pass
     (Pass.run_at_home)."""
+    refusals = agent.hooks.refusals
     if not run.context.knows(sender):
-        agent.hooks.refusals.refuse(sender, f"a report to backward pass {run.pass_id}")
+        refusals.refuse(sender, f"a report to backward pass {run.pass_id}")
         return
     if error is not None:
         raise error
     if type(report) is not list or len(report) != 5:
         raise RpcError(f"malformed report {report!r:.80}")
-    _, pass_id, reports, riding, failure = report
-    if pass_id != run.pass_id:
-        raise RpcError(f"a report of backward pass {pass_id!r:.40} came to pass {run.pass_id}")
-    if failure is not None:
-        raise RpcError(failure if type(failure) is str else f"malformed error report {failure!r:.80}")
+    context_id, pass_id, reports, riding, failure = report
+    if context_id != run.context.context_id or pass_id != run.pass_id:
+        # (A worker of this context made to report another pass's work here: not this pass's.)
+        refusals.refuse(sender, f"a report of backward pass {pass_id!r:.40} (context {context_id!r:.40}) "
+                                f"to pass {run.pass_id}")
+        return
+    if failure is not None and type(failure) is not str:
+        raise RpcError(f"malformed error report {failure!r:.80}")
     if type(reports) is not list:
         raise RpcError(f"malformed reports {reports!r:.80}")
-    # The gradients first: their work is what the pass waits for; the counts after it (the
-    # pass cannot end before: its tickets are not settled yet).
     for item in reports:
         if type(item) is not list or len(item) != 2 or type(item[0]) is not int or type(item[1]) is not list:
             raise RpcError(f"malformed report {item!r:.80}")
+    if riding is not None and (type(riding) is not list or len(riding) != 5):
+        raise RpcError(f"malformed riding gradients {riding!r:.80}")
+    if failure is not None:
+        # Only a worker a ticket of this pass went to ends it with its error (its report
+        # announces the tickets delegated to it, and its own).
+        refusal = run.take_report(reports, sender)
+        if refusal is None and not run.reached(sender):
+            refusal = f"an error report to backward pass {run.pass_id}", sender
+        if refusal is not None:
+            refusals.refuse(refusal[1], refusal[0])
+            return
+        raise RpcError(failure)
+    # The gradients first: their work is what the pass waits for; the counts after it (the
+    # pass cannot end before: its tickets are not settled yet).
     if riding is not None:
-        if type(riding) is not list or len(riding) != 5:
-            raise RpcError(f"malformed riding gradients {riding!r:.80}")
         try:
             _accept_gradients(agent, *riding, start=False, sender=sender)
         except NotEntitledError:
             return  # (counted and logged; the rest of such a report is not taken either)
     refusal = run.take_report(reports, sender)
     if refusal is not None:
-        what, whose = refusal
-        agent.hooks.refusals.refuse(whose, what)
+        refusals.refuse(refusal[1], refusal[0])
 
 
 def _accept_gradients(agent: AgentPort, context_id: int, message_id: int, pass_id: int, retain_graph: bool, grads: list,
@@ -424,9 +440,12 @@ def _accept_gradients(agent: AgentPort, context_id: int, message_id: int, pass_i
         run.deliver(message_id, list(grads), settles=run is settles)
     except Exception as exc:
         # The sender does not wait for this answer when we started the pass (see engine.py):
-        # our own pass must fail instead of waiting for gradients that will not come.
+        # our own pass must fail instead of waiting for gradients that will not come. Only
+        # ours over this context, and only for a worker of it: a pass id names no context,
+        # and another's message must not end a pass it takes no part in.
         own = _running.get(pass_id)
-        if own is not None:
+        if own is not None and ctx is not None and own.context is ctx and (
+                sender is None or sender == agent.rank or ctx.knows(sender)):
             own.fail(exc)
         raise
     return run, first

@@ -162,6 +162,7 @@ class Pass:
         self._tickets: dict[int, int] = {}
         self._early: dict[int, tuple[list, int | None]] = {}  # ticket -> (forwards, its sender if known)
         self._reported: set[int] = set()  # tickets settled (a second report of one is refused)
+        self._reached: set[int] = set()  # the workers tickets went to
         self._settled = 0
         self.done = Outcome()  # all local work and every request we sent
         self.node_runs = 0  # groups and recv functions run (tests count them)
@@ -568,7 +569,12 @@ class Pass:
         if ticket not in self._tickets and ticket not in self._reported:
             self._tickets[ticket] = peer
             self._settled += 1
+        self._reached.add(peer)
         return self._early.pop(ticket, None)
+
+    def reached(self, worker: int) -> bool:
+        """Whether a ticket of this pass went to ``worker`` (its report is, or was, due)."""
+        return worker in self._reached  # (a set lookup is atomic)
 
     def settle(self, ticket: int) -> None:
         """The report of ``ticket`` came: that worker's part is done."""

@@ -16,7 +16,7 @@ from typing import Any
 from zmqautograd.transport import Message, MessageType, PeerDepartedError, PeerLostError
 
 from ..rpc.hooks import OutgoingCall
-from ..rpc.refusals import Refusals
+from ..rpc.refusals import PeerLog, Refusals
 from . import cleanup
 from .context import ContextContainer
 from .forward import BUILTIN_TYPES, message_metadata, record_recv, record_send, request_metadata
@@ -57,6 +57,7 @@ class AutogradHooks:
         self.agent = agent
         self.contexts = ContextContainer(agent.rank)
         self.refusals = Refusals(f"{agent.info} (distributed autograd)")  # what members may not do here
+        self._peer_log = PeerLog(log)  # what failed of what peers sent: once per peer
         self._local = self.contexts._local  # the current context, per thread (served calls switch it)
         self._losses = threading.Condition()
         self._lost: list[str] = []  # the workers lost so far, by name
@@ -200,8 +201,9 @@ class AutogradHooks:
         (``cleanup.release_here``); the contexts removed here, for the caller to drop."""
         try:
             return cleanup.release_here(self.agent, releases, int(sender))[0]
-        except Exception:  # noqa: BLE001 - never the call's failure
-            log.exception("%s: releasing the contexts %s from %s failed", self.agent.info, releases, sender)
+        except Exception as exc:  # noqa: BLE001 - never the call's failure
+            self._peer_log.log(sender, logging.WARNING, "%s: releasing the contexts %.200r from %s failed: %s",
+                               self.agent.info, releases, sender, exc)
             return []
 
     # ------------------------------------------------------------------ the group

@@ -41,6 +41,7 @@ from .futures import Future
 from .hooks import CallHooks, make_call_hooks
 from .options import ZmqRpcBackendOptions
 from .pool import ElasticPool
+from .refusals import PeerLog
 from .membership import DynamicGroup
 from .message_types import REQUEST_TYPES
 from .rendezvous import Member, Rendezvous, advertise_address
@@ -102,6 +103,7 @@ class Agent(Calling, Answers, Serving):
         self.codec = _make_codec(options.allow_pickle, CallablePolicy(options.allowed_functions))
         self.codec.max_message_bytes = options.max_message_bytes
         self.misdirected_answers = 0  # answers from a peer other than the one asked (dropped)
+        self.peer_log = PeerLog(log)  # failures of what peers sent: once per peer, then at debug level
         self._max_queued_calls = options.max_queued_calls
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{name}", init_thread=adopt_torch_thread_settings)
         self.rrefs = RRefContext(self)

@@ -145,11 +145,14 @@ def user_cookie() -> bytes:
     once gets there first: the others read the same one)."""
     path = cookie_path()
     try:
-        return _read_private(path)
+        secret = _read_private(path)
+        _check_private_folder(path.parent)
+        return secret
     except FileNotFoundError:
         pass
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_private_folder(path.parent)
         temporary = path.with_name(f".cookie-{os.getpid()}-{secrets.token_hex(4)}")
         descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -167,6 +170,17 @@ def user_cookie() -> bytes:
             f"secret instead ({ONE_LINE}), or set XDG_CONFIG_HOME to a folder this user may write to") from None
     log.info("made the cookie %s: groups this user starts on this host sign their rendezvous with it", path)
     return _read_private(path)
+
+
+def _check_private_folder(folder: Path) -> None:
+    """The cookie's folder must be this user's and writable by it alone: another user who
+    could write to it could replace the cookie (as ssh checks ~/.ssh)."""
+    status = folder.stat()
+    if hasattr(os, "getuid") and (status.st_uid != os.getuid() or status.st_mode & 0o022):
+        raise ClusterSecretError(
+            f"the folder of the cookie, {folder}, may be written by others (owner uid {status.st_uid}, mode "
+            f"{stat.S_IMODE(status.st_mode):o}): it must belong to this user and be writable by it alone "
+            f"(chmod 700 {folder})")
 
 
 def _read_private(path: Path) -> bytes:

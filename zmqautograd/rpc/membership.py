@@ -12,8 +12,10 @@ joins reads the events before its own to learn who is a member, publishes its ow
 connects to those members; every member has a thread that follows the log (``watch``) and
 admits each new member (its credential, its address) or lets go of one that left, before the
 joiner's handshake can finish. Every event is signed with the cluster secret (bound to its
-number), and one that is not is ignored with a warning, so whoever writes to the store
-without the secret can neither join nor evict a member; only with ``insecure_store`` (no
+number) and names the group (an id its founder's join made), and one that is not signed, or
+is another group's (replayed from a log signed with the same secret), is ignored with a
+warning, so whoever writes to the store without the secret can neither join nor evict a
+member of a running group; only with ``insecure_store`` (no
 secret) is the store the group's trust root for as long as the group lives (cluster_secret.py).
 
 A group is either static (``world_size`` given, rendezvous.py) or dynamic: torch refuses to
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import threading
 from datetime import timedelta
 from typing import Any, Callable
@@ -66,6 +69,9 @@ class DynamicGroup:
         self.master_addr = _master_address(init_method)
         self.event = 0  # the number of our join event
         self.joined: dict[int, int] = {}  # rank -> the number of its member's join event
+        # This group's id, which its founder's join made and every event carries: an event of
+        # another group (a log signed with the same secret, replayed here) is not this one's.
+        self.group_id: str | None = None
         self._secret: bytes | None = None
         self._watcher: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -81,13 +87,23 @@ class DynamicGroup:
         number = 1
         while True:  # read the log up to its end, then take the next number, unless taken meanwhile
             while self.store.check([f"{KEY}/event/{number}"]):
-                event = self._read(number)  # (None: forged, or signed with another secret; logged)
+                event = self._read(number)  # (None: forged, another secret's or group's; logged)
+                if event is not None and self.group_id is None:
+                    if event["op"] != "join":
+                        log.warning("rank %d: event %d of the log comes before any member joined; ignored",
+                                    self.rank, number)
+                        event = None
+                    else:
+                        self.group_id = event["group"]  # the founder's join names the group
                 if event is not None and not _stale(self.joined, event):
                     _apply(members, event)
                     _note(self.joined, event, number)
                 number += 1
             self._check_joining(members, name, mechanism)
+            group_id = self.group_id or secrets.token_hex(16)  # (none yet: we found the group)
+            me["group"] = group_id
             if self._publish(number, me):
+                self.group_id = group_id
                 break
         self.event = self.joined[self.rank] = number
         return [_member(record) for record in members.values()] + [_member(me)]
@@ -114,7 +130,8 @@ class DynamicGroup:
         """Publish that we left (gracefully). The store's host may be out of reach (a
         partition; a store client then blocks for its whole timeout): waited for
         ``LEAVE_WAIT`` seconds at most, after which the others learn it when they lose us."""
-        publishing = threading.Thread(target=self._publish_next, args=({"op": "leave", "rank": self.rank},),
+        publishing = threading.Thread(target=self._publish_next, args=({"op": "leave", "rank": self.rank,
+                                                                         "group": self.group_id},),
                                       name=f"rpc-leave-{self.rank}", daemon=True)
         publishing.start()
         publishing.join(LEAVE_WAIT)
@@ -130,7 +147,7 @@ class DynamicGroup:
         """Publish, on a thread (the store may be slow or gone), that we lost member ``rank``
         without a goodbye: the incarnation we know now, so that a late word cannot evict one
         that joined again since."""
-        event = {"op": "lost", "rank": rank, "join": self.joined.get(rank, 0)}
+        event = {"op": "lost", "rank": rank, "join": self.joined.get(rank, 0), "group": self.group_id}
         threading.Thread(target=self._publish_next, args=(event,), name=f"rpc-lost-{rank}", daemon=True).start()
 
     def _publish_next(self, event: dict) -> None:
@@ -169,6 +186,9 @@ class DynamicGroup:
             return None
         if not _well_formed(event):
             log.warning("rank %d: malformed event %d of the group ignored: %.200r", self.rank, number, event)
+            return None
+        if self.group_id is not None and event["group"] != self.group_id:
+            log.warning("rank %d: event %d of the log is another group's (replayed here); ignored", self.rank, number)
             return None
         return event
 
@@ -212,6 +232,8 @@ class DynamicGroup:
 
 def _well_formed(event: Any) -> bool:
     if not isinstance(event, dict) or event.get("op") not in ("join", "leave", "lost"):
+        return False
+    if type(event.get("group")) is not str:
         return False
     if type(event.get("rank")) is not int or event["rank"] < 0:
         return False

@@ -15,6 +15,27 @@ from .errors import NotEntitledError
 log = logging.getLogger("zmqautograd.security")
 
 
+class PeerLog:
+    """Lines about what peers sent that failed here: each peer's first at the level asked,
+    the rest at debug level (a member that keeps sending them must not flood the log)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+
+    def log(self, peer: object, level: int, message: str, *args: object, exc_info: bool = False) -> None:
+        with self._lock:
+            first = str(peer) not in self._seen
+            if first and len(self._seen) < 65536:
+                self._seen.add(str(peer))
+        if first:
+            self._logger.log(level, message + " (further ones of this peer are logged at debug level)", *args,
+                             exc_info=exc_info)
+        else:
+            self._logger.debug(message, *args, exc_info=exc_info)
+
+
 class Refusals:
     """The refusals of one layer of one worker (``where`` names it in the log)."""
 

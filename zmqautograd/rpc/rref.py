@@ -170,7 +170,7 @@ class RRef(Generic[_T]):
                 f"For UserRRef(rref_id={_unique_id(self.rref_id)}, fork_id={_unique_id(self.fork_id)}), "
                 f"can't call localValue() on user {self._context.agent.info}. Call it on owner {self.owner()}"
             )
-        return self._context.owner_value(self.rref_id).wait()
+        return self._context.wait_for_value(self.rref_id)
 
     def to_here(self, timeout: float = -1.0) -> Any:
         """The value, copied here from its owner (waits until the owner has it)."""

@@ -4,6 +4,7 @@ its own forks, and what a lost worker leaves behind."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -18,14 +19,18 @@ import torch
 from zmqautograd.transport import MessageType
 from zmqautograd.transport.errors import PeerLostError
 
+from .. import timers
+from . import current
 from .errors import RpcError
 from .futures import Future
 from .refusals import Refusals
 from .rref import RRef, RRefId
-from .rref_owner import _child_accept, _delete_fork, _fork_request
+from .rref_owner import _child_accept, _delete_fork, _fork_request, _vouch_for
 
 log = logging.getLogger(__name__)
 
+_UNMADE_WAITS_PER_PEER = 16  # threads a peer may hold waiting for values not being made (wait_for_value)
+_UNMADE_TIMEOUT = 60.0  # seconds an asked-for value waits for its remote() (RPC timeout: none)
 _FORK_ID_BASE = 1 << 61  # forks made for other workers: 1 << 61 and up (new_fork_id)
 _UNREGISTERED = object()  # (a fork's holder may be None: a fork this owner made, not yet sent)
 # The holder of a fork made as data (``RRef._serialize``): whichever worker decodes it, as
@@ -62,6 +67,7 @@ class RRefContext:
         self.forks_made = 0
         self._counter = itertools.count(0)  # local ids from 0, as torch's
         self.refusals = Refusals(f"{agent.info} (RRefs)")  # what members may not do to our forks
+        self._unmade_waits: dict[Any, int] = {}  # peer -> its threads waiting for values not being made
         # Registrations with their owners of the user RRefs that decoding on this thread made
         # (``take_registering``): a call that carries them runs once the owners confirmed
         # them, as torch's. ``forks_registered`` is 0 until the first (as ``forks_made``).
@@ -97,15 +103,59 @@ class RRefContext:
 
     # -------------------------------------------------------------------------- owner side
 
-    def _entry(self, rref_id: RRefId) -> _OwnerEntry:  # caller holds the lock
+    def _entry(self, rref_id: RRefId, asked: bool = False) -> _OwnerEntry:  # caller holds the lock
+        """The entry of ``rref_id``, made if need be. ``asked``: made because someone asked
+        for a value (a fetch, a fork, a delete) before the remote() that makes it ran; unless
+        that remote() starts within the RPC timeout, the value fails and the entry goes: a
+        member that names values nobody makes holds no thread and no memory for long."""
         entry = self._owned.get(rref_id)
         if entry is None:
             entry = self._owned[rref_id] = _OwnerEntry()
+            if asked:
+                timeout = self.agent.default_timeout if self.agent.default_timeout > 0 else _UNMADE_TIMEOUT
+                timers.call_later(timeout, self._expire_unmade, rref_id, entry, timeout)
         return entry
+
+    def _expire_unmade(self, rref_id: RRefId, entry: _OwnerEntry, timeout: float) -> None:
+        with self._lock:
+            if self._owned.get(rref_id) is not entry or entry.created or entry.making:
+                return
+            entry.created = entry.orphaned = True  # (a remote() that comes later finds it so)
+            entry.deleted_early.clear()
+            self._maybe_release(rref_id, entry)
+        if not entry.value.done():
+            entry.value.set_exception(RpcError(
+                f"the value of RRef {rref_id} was never created here: no remote() made it within {timeout:.0f} s"))
 
     def owner_value(self, rref_id: RRefId) -> torch.futures.Future:
         with self._lock:
-            return self._entry(rref_id).value
+            return self._entry(rref_id, asked=True).value
+
+    def wait_for_value(self, rref_id: RRefId) -> Any:
+        """The value ``rref_id`` owned here, waited for (a remote() may still be making it),
+        on a thread that lets the pool start another meanwhile. The thread serves a call of
+        ``current.caller()``: a worker may have at most ``_UNMADE_WAITS_PER_PEER`` threads
+        waiting for values that no remote() is making yet (its own ids that it never makes
+        would otherwise hold every thread of the pool until they expire)."""
+        peer = current.caller()
+        with self._lock:
+            entry = self._entry(rref_id, asked=True)
+            counted = not (entry.created or entry.making or entry.value.done()) and peer not in (None, self.agent.rank)
+            if counted:
+                if self._unmade_waits.get(peer, 0) >= _UNMADE_WAITS_PER_PEER:
+                    raise self.refusals.refuse(peer, f"one more wait for RRef {rref_id}, which no remote() is making: "
+                                                     f"{_UNMADE_WAITS_PER_PEER} of its calls wait for such values already")
+                self._unmade_waits[peer] = self._unmade_waits.get(peer, 0) + 1
+        try:
+            if entry.value.done():
+                return entry.value.wait()
+            pool = self.agent.pool
+            with pool.blocking() if pool.owns_current_thread() else contextlib.nullcontext():
+                return entry.value.wait()
+        finally:
+            if counted:
+                with self._lock:
+                    self._unmade_waits[peer] -= 1
 
     # Forks are bound to the worker that holds them (docs/security.md): only it registers
     # (``_fork_request``), accepts (``child_accepted``) or deletes one, and a delete that
@@ -119,7 +169,7 @@ class RRefContext:
         makes, whose holder ``sent_to`` names). ``made_by_holder``: the holder made the fork
         id itself (remote()'s own fork), so it is the fork's, whoever registered it before."""
         with self._lock:
-            entry = self._entry(rref_id)
+            entry = self._entry(rref_id, asked=True)
             registered = entry.forks.get(fork_id, _UNREGISTERED)
             if registered is not _UNREGISTERED and registered != holder and not made_by_holder:
                 raise self.refusals.refuse(holder, f"the registration of RRef fork {fork_id} of {rref_id}, which "
@@ -147,7 +197,7 @@ class RRefContext:
             if entry is None and sender is not None and not self._may_be_made(rref_id, sender):
                 # (an entry is not made for a value that will not be: it would never go)
                 raise self.refusals.refuse(sender, f"the deletion of a fork of RRef {rref_id}, which does not exist")
-            entry = self._entry(rref_id)
+            entry = self._entry(rref_id, asked=True)
             if fork_id in entry.forks:
                 holder = entry.forks[fork_id]
                 if sender is not None and holder not in (sender, BEARER):
@@ -161,6 +211,63 @@ class RRefContext:
             elif not self._is_lost(sender):  # (a lost sender's fork is never kept: add_fork)
                 entry.deleted_early[fork_id] = sender
             self._maybe_release(rref_id, entry)
+
+    def holds(self, rref_id: RRefId, worker: int) -> bool:
+        """Whether ``worker`` may use the value ``rref_id`` owned here as its own: this worker,
+        its creator (remote()'s caller made its id), or a holder of one of its forks."""
+        if worker in (self.agent.rank, rref_id[0]):
+            return True
+        with self._lock:
+            entry = self._owned.get(rref_id)
+            return entry is not None and worker in entry.forks.values()
+
+    def register_fork(self, rref_id: RRefId, fork_id: tuple, child: int) -> torch.futures.Future:
+        """``child`` registers ``fork_id`` of ``rref_id`` (``_fork_request``). A fork id is its
+        parent's (``fork_id[0]`` made it), who must hold the value; the parent is asked whether
+        it forked it to ``child`` (``_vouch_for``), and the fork is the child's once it says so:
+        no member registers, and so reads, a fork it was not given."""
+        parent = fork_id[0] if len(fork_id) == 2 else None
+        if parent == self.agent.rank:
+            # A fork this owner made: registered when it made it, for the worker it went to,
+            # or as data, for the first worker that shows it (its id is random).
+            with self._lock:
+                entry = self._owned.get(rref_id)
+                holder = _UNREGISTERED if entry is None else entry.forks.get(fork_id, _UNREGISTERED)
+                if holder == BEARER:
+                    entry.forks[fork_id] = child  # type: ignore[union-attr]  # (found: entry is not None)
+            if holder not in (BEARER, child):
+                raise self.refusals.refuse(child, f"the registration of RRef fork {fork_id} of {rref_id}, which is "
+                                                  "not a fork this owner made for it")
+            claimed: torch.futures.Future = Future()
+            claimed.set_result(None)
+            return claimed
+        # (parent == child: a worker that passed an RRef to itself)
+        if type(parent) is not int or not self.holds(rref_id, parent):
+            raise self.refusals.refuse(child, f"the registration of RRef fork {fork_id} of {rref_id}, which no "
+                                              "holder of it made")
+        registered: torch.futures.Future = Future()
+        asked = self.agent.call_retrying(parent, _vouch_for, (list(fork_id), child), MessageType.RREF_FORK_REQUEST)
+
+        def answered(done: torch.futures.Future) -> None:
+            try:
+                if done.value() is not True:
+                    raise self.refusals.refuse(child, f"the registration of RRef fork {fork_id} of {rref_id}, which "
+                                                      f"worker {parent} did not fork to it")
+                self.add_fork(rref_id, fork_id, child)
+            except Exception as exc:  # noqa: BLE001 - the child's registration fails with it
+                registered.set_exception(exc)
+                return
+            registered.set_result(None)
+
+        asked.add_done_callback(answered)
+        return registered
+
+    def vouches(self, fork_id: tuple, child: int, owner: int) -> bool:
+        """Whether we forked ``fork_id`` of one of ``owner``'s values to ``child`` (or as data,
+        to whoever decodes it) and keep it for that child still."""
+        with self._lock:
+            kept = self._pending_children.get(fork_id)
+        return kept is not None and kept[1] in (child, BEARER) and kept[0].owner_id == owner
 
     def check_user(self, rref_id: RRefId, fork_id: tuple | None, caller: int) -> None:
         """Raise unless ``caller`` may use the value ``rref_id`` owned here (fetch it, start a
@@ -438,6 +545,10 @@ class RRefContext:
         if rref._deleted:
             raise RpcError(f"Cannot call fork an UserRRef after deletion. ({rref})")  # torch's words
         rref._check_created()
+        # A fork is given only by a worker that holds the value (the owner and a child's
+        # parent check it): a user RRef whose own registration the owner has not confirmed
+        # yet (it came in an answer a moment ago) waits for it.
+        rref._await_registration()
         fork_id = self.new_fork_id()
         made: tuple[RRefId | None, RRefId]
         # Whoever decodes the data of ``_serialize`` holds its fork: any worker may (BEARER).
@@ -455,12 +566,39 @@ class RRefContext:
                 forks = self._made.forks = []
             forks.append(made)
             self.forks_made += 1
-        return [list(rref.rref_id), rref.owner_id, list(fork_id), self.agent.rank, rref._type_name]
+        encoded = [list(rref.rref_id), rref.owner_id, list(fork_id), self.agent.rank, rref._type_name]
+        return encoded if in_message else encoded + [True]  # (data: a fork for whoever decodes it)
 
     def decode(self, value: list) -> "RRef":
-        rref_id, owner_id, fork_id, parent, type_name = value
+        """An RRef as it came in a message (or from ``_deserialize``). One that came in a
+        message was forked by its sender (the connection's member, whatever ``parent`` says),
+        and one that came to its owner must be its sender's to give: its creator's or a fork
+        holder's (``holds``). Else refused, before anything is registered or released. The data
+        of ``RRef._serialize`` (``bearer``) is a fork for whoever decodes it, wherever it came
+        from: its fork id is random, and the worker that decodes it registers it as its own."""
+        if type(value) is not list or len(value) not in (5, 6):
+            raise RpcError(f"malformed RRef {value!r:.80}")
+        rref_id, owner_id, fork_id, parent, type_name = value[:5]
+        bearer = len(value) == 6 and value[5] is True
         rref_id, fork_id = tuple(rref_id), tuple(fork_id)
         agent = self.agent
+        sender = agent.codec.decoding_sender()
+        if bearer and owner_id == agent.rank and parent == agent.rank:
+            with self._lock:  # a fork this owner made as data: still there to be used once?
+                entry = self._owned.get(rref_id)
+                usable = entry is not None and entry.forks.get(fork_id, _UNREGISTERED) == BEARER
+            if not usable:
+                raise self.refusals.refuse(None if sender is None else sender,
+                                           f"RRef {rref_id} as data of a fork {fork_id} it did not make")
+        elif sender is not None and (not bearer or owner_id == agent.rank):
+            # (sender None: data decoded by a function. Data another worker made, at its owner:
+            # as from its sender, whom the owner can check; elsewhere the owner checks it when
+            # the worker that decoded it registers it)
+            by = int(sender) if sender.isdigit() else None
+            if by != parent:
+                raise self.refusals.refuse(by, f"an RRef of {rref_id} that it says worker {parent} forked")
+            if owner_id == agent.rank and not self.holds(rref_id, parent):
+                raise self.refusals.refuse(by, f"RRef {rref_id}, which it holds no fork of")
         if owner_id == agent.rank:
             rref = RRef._owner_handle(self, rref_id, type_name)
             if parent == agent.rank:
@@ -470,8 +608,8 @@ class RRefContext:
             self._accept_child(parent, fork_id)
             return rref
         rref = RRef._user(self, rref_id, owner_id, fork_id, type_name)
-        if parent == owner_id:
-            rref._confirmed.set()  # the owner registered this fork when it sent it
+        if parent == owner_id and not bearer:
+            rref._confirmed.set()  # the owner registered this fork for us when it sent it
             return rref
         registered = self._control(owner_id, _fork_request, (list(rref_id), list(fork_id)),
                                    MessageType.RREF_FORK_REQUEST)

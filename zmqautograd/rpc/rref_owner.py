@@ -100,8 +100,17 @@ def _fetch(rref_id: list, fork_id: list | None = None) -> torch.futures.Future:
 # authenticated connection), never a rank its payload names.
 
 @protocol_function
-def _fork_request(rref_id: list, fork_id: list) -> None:
-    _context().add_fork(tuple(rref_id), tuple(fork_id), _worker_caller())
+@answered_when_done
+def _fork_request(rref_id: list, fork_id: list) -> torch.futures.Future:
+    """A child registers the fork its parent (who made ``fork_id``) gave it: answered once the
+    parent vouched for it (RRefContext.register_fork)."""
+    return _context().register_fork(tuple(rref_id), tuple(fork_id), _worker_caller())
+
+
+@protocol_function
+def _vouch_for(fork_id: list, child: int) -> bool:
+    """On a fork's parent, asked by the value's owner: whether we forked ``fork_id`` to ``child``."""
+    return _context().vouches(tuple(fork_id), child, _worker_caller())
 
 
 @protocol_function
@@ -131,12 +140,11 @@ def _backward_on_owner(rref_id: list, context_id: int, retain_graph: bool, fork_
     context, caller = _context(), _worker_caller()
     rref_id_, fork_id_ = tuple(rref_id), None if fork_id is None else tuple(fork_id)
     context.check_user(rref_id_, fork_id_, caller)
-    value = context.owner_value(rref_id_)
-    if not value.done():
-        with context.agent.pool.blocking():  # the call that makes the value may need a thread
-            value.wait()
+    made = context.owner_value(rref_id_).done()
+    value = context.wait_for_value(rref_id_)  # (the call that makes it may need a pool thread)
+    if not made:
         context.check_user(rref_id_, fork_id_, caller)  # (as _fetch's, once the value is made)
-    _backward_value(value.wait(), context_id, retain_graph)
+    _backward_value(value, context_id, retain_graph)
 
 def _backward_value(value: Any, context_id: int, retain_graph: bool) -> None:
     if not isinstance(value, torch.Tensor):

@@ -26,6 +26,7 @@ import io
 import logging
 import pickle
 import sys
+import threading
 import types
 from typing import Any, Callable, TypeVar
 
@@ -67,7 +68,7 @@ _PROTOCOL_FUNCTIONS = frozenset({
     *(("zmqautograd.nn", name) for name in ("_create_module", "_remote_forward", "_param_rrefs")),
     *(("zmqautograd.rpc.rref_owner", name) for name in (
         "_backward_on_owner", "_call_method", "_child_accept", "_delete_fork", "_fetch", "_fork_request",
-        "_owned_count", "_run_remote", "_rref_typeof_on_owner")),
+        "_owned_count", "_run_remote", "_rref_typeof_on_owner", "_vouch_for")),
 })
 
 
@@ -481,6 +482,25 @@ class RpcCodec(Codec):
         # Extension types that pickled objects may hold too (RRefs): by type and by code.
         self._carried_types: dict[type, Extension] = {}
         self._carried_codes: dict[int, Extension] = {}
+        self._decoding = threading.local()  # .sender: of the payload this thread decodes now
+
+    def decode_payload(self, envelope: Any, tensors: list | None = None, plain: bool = False) -> Any:
+        """As the codec's; while it runs, ``decoding_sender()`` is the sender of the message on
+        this thread (its connection's member: the transport checked the envelope's sender
+        field against it), for the decoders of types that must know who sent them (RRefs)."""
+        if plain:  # (no registered type is decoded)
+            return super().decode_payload(envelope, tensors, plain)
+        decoding = self._decoding
+        outer = getattr(decoding, "sender", None)
+        decoding.sender = envelope.sender
+        try:
+            return super().decode_payload(envelope, tensors, plain)
+        finally:
+            decoding.sender = outer
+
+    def decoding_sender(self) -> str | None:
+        """The sender of the message this thread decodes now (None: none is being decoded)."""
+        return getattr(self._decoding, "sender", None)
 
     def add_extension(self, ext: Extension, in_pickles: bool = False) -> None:
         """As the codec's; ``in_pickles``: objects of ``ext.type`` nested in a pickled

@@ -127,7 +127,8 @@ class Serving:
         me = self._me
         if request.payload.get("n"):  # one-way (notify): nobody waits for an answer
             if error is not None and not isinstance(error, NotEntitledError):  # (refusals log themselves)
-                log.warning("%s: one-way %s from %s failed: %s", self.info, request.type.name, to, error)
+                self.peer_log.log(to, logging.WARNING, "%s: one-way %s from %s failed: %s", self.info,
+                                  request.type.name, to, error)
             return
         hooked = None
         if error is not None:
