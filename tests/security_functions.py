@@ -264,3 +264,13 @@ def slow_backward_scale(x):
             return grad
 
     return Slow.apply(x) * 3
+
+
+def call_with_forged_rref(to: int, encoded: list) -> str:
+    """Call ``value_of`` on worker ``to`` with an RRef whose encoding we wrote ourselves
+    (``[rref id, owner, fork id, parent, type name]``: the parent is who forked it, we claim)."""
+    import msgpack
+
+    agent = _agent()
+    forged = msgpack.ExtType(18, msgpack.packb(encoded))  # (the agent's EXT_RREF)
+    return _outcome(agent.call(to, value_of, (forged,), None, 10))

@@ -6,6 +6,8 @@ What this does not cover is the image (the Dockerfile's build)."""
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import subprocess
 
 import pytest
@@ -24,18 +26,36 @@ def load_services() -> dict[str, dict]:
         return yaml.safe_load(file)["services"]  # safe_load resolves the file's merge keys (<<)
 
 
-def service_process(namespace: str, service: dict) -> subprocess.Popen:
+def interpolated(value: str, shell: dict[str, str]) -> str:
+    """``value`` as Compose interpolates it from the shell's variables: ``${NAME}``, and
+    ``${NAME:?message}``, which refuses to start where NAME is unset or empty."""
+    def substitute(match: re.Match) -> str:
+        name, required = match.group(1), match.group(2)
+        if required is not None and not shell.get(name):
+            raise AssertionError(f"compose refuses to start: {name} is unset ({required})")
+        return shell.get(name, "")
+
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::\?([^}]*))?\}", substitute, value)
+
+
+def service_process(namespace: str, service: dict, shell: dict[str, str]) -> subprocess.Popen:
     command = list(service["command"])
     assert command[0] == "python", command  # the image's interpreter: ours here
     env = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
     # A key without a value comes from the shell, and is unset where the shell has none.
-    env.update({key: str(value) for key, value in service["environment"].items() if value is not None})
+    env.update({key: interpolated(str(value), shell) for key, value in service["environment"].items()
+                if value is not None})
     env["PYTHONPATH"] = ROOT  # the image has the package installed
     return start_in(namespace, command[1:], env, ROOT)
 
 
 def test_compose_file_describes_a_driver_and_its_workers():
     services = load_services()
+    for service in services.values():  # one cluster secret, from the shell, or compose refuses
+        value = service["environment"]["ZMQAUTOGRAD_CLUSTER_SECRET"]
+        assert interpolated(value, {"ZMQAUTOGRAD_CLUSTER_SECRET": "s" * 64}) == "s" * 64
+        with pytest.raises(AssertionError, match="compose refuses to start"):
+            interpolated(value, {})
     ranks = sorted(int(s["environment"]["RANK"]) for s in services.values())
     assert ranks == list(range(len(services)))
     for name, service in services.items():
@@ -64,7 +84,8 @@ def test_compose_services_train_on_separate_hosts(service_hosts):
     reaches the others only over the bridge, so the run trains only if every worker
     advertised an address the others can route to."""
     services, hosts = service_hosts
-    processes = {name: service_process(hosts[name], service) for name, service in services.items()}
+    shell = {"ZMQAUTOGRAD_CLUSTER_SECRET": secrets.token_hex(32)}  # (what tools/compose.py exports)
+    processes = {name: service_process(hosts[name], service, shell) for name, service in services.items()}
     outputs = dict(zip(processes, outputs_of(list(processes.values()), timeout=220)))
     for name, process in processes.items():
         assert process.returncode == 0, f"{name}: {outputs[name][1][-3000:]}"

@@ -110,9 +110,10 @@ def test_a_member_cannot_release_a_context_it_never_took_part_in(group):
 
 def test_a_member_cannot_delete_or_take_another_workers_rref_forks(group):
     """The driver's RRefs on worker1: worker2 deletes the forks of the driver's next
-    remote() in advance (ids count up: it guesses them) and its existing fork (told), and
-    registers and accepts forks that are not its own. Every one is refused; the driver's
-    remote() values are there when it asks."""
+    remote() in advance (ids count up: it guesses them) and its existing fork (told),
+    registers forks that are not its own (the driver's; one it made up), and sends the owner
+    the driver's fork as if the owner or worker2 had forked it. Every one is refused; the
+    driver's remote() values are there when it asks."""
     probe = rpc.remote("worker1", torch.ones, args=(2,))
     assert torch.equal(probe.to_here(), torch.ones(2))
     creator, counter = probe.fork_id
@@ -127,10 +128,17 @@ def test_a_member_cannot_delete_or_take_another_workers_rref_forks(group):
     # A fork worker2 made up, of a value it holds nothing of, and of one whose holder did not fork it.
     outcome = rpc.rpc_sync("worker2", sf.rref_protocol, args=(1, "_fork_request", [list(probe.rref_id), [2, 7]]))
     assert outcome.startswith("NotEntitledError") and "which no holder of it made" in outcome, outcome
+    # The driver's fork, sent to its owner in a call as if the owner had forked it (which
+    # would make the owner drop it as its own) or as worker2's own: refused as it is decoded.
+    for parent in (1, 2):
+        forged = [list(probe.rref_id), 1, list(probe.fork_id), parent, "Tensor"]
+        outcome = rpc.rpc_sync("worker2", sf.call_with_forged_rref, args=(1, forged))
+        assert "NotEntitledError" in outcome and ("says worker 1 forked" in outcome or "holds no fork of" in outcome), \
+            outcome
     rrefs = [rpc.remote("worker1", torch.add, args=(torch.ones(2), i)) for i in range(4)]
     assert [r.to_here().tolist() for r in rrefs] == [[1.0 + i] * 2 for i in range(4)]
     assert torch.equal(probe.to_here(), torch.ones(2))
-    assert _refusals("worker1", 2) >= len(ahead) + 2
+    assert _refusals("worker1", 2) >= len(ahead) + 5
 
 
 def test_a_member_cannot_fetch_or_run_a_backward_pass_from_another_workers_rref(group):

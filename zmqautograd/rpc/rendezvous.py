@@ -6,7 +6,8 @@ key derived from it, bound to the rank's key), and readers take each rank's firs
 signed: one that is not (a forgery by whoever can write the store, or a worker with another
 secret) is ignored with a warning, and the group starts all the same. Each record goes to
 the first free slot of its rank's key (``compare_set``), so a record published before or
-after ours never displaces it (overwriting keys on purpose, as deleting them, can only stop
+after ours never displaces it (overwriting keys on purpose, as deleting them, or copying a
+signed record of another group with the same secret into a free slot first, can only stop
 the group from starting). Only with ``insecure_store`` is there no secret: the store is then the group's
 trust root, as torch's is.
 
