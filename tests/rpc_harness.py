@@ -123,3 +123,16 @@ def admitted_member(name: str, worker: str = "worker1", rank: str = "1", **socke
     finally:
         raw.close()
         context.term()
+
+
+def answers_to(raw, codec: Codec, messages: dict[int, Message], timeout: float = 10.0) -> dict[int, tuple]:
+    """Send ``messages`` (by id) over ``raw`` (an ``admitted_member``); what came back for
+    each, by id: (message type, payload) of its value, its error or the refusal of it."""
+    for message in messages.values():
+        raw.send_multipart(codec.encode(message))
+    answered: dict[int, tuple] = {}
+    while len(answered) < len(messages) and raw.poll(int(timeout * 1000)):
+        answer = codec.decode(raw.recv_multipart())
+        if answer.type in (MessageType.PROTOCOL_ERROR, MessageType.EXCEPTION, MessageType.PYTHON_RET):
+            answered[answer.id] = (answer.type, answer.payload)
+    return answered

@@ -35,7 +35,7 @@ from zmqautograd.rpc.serialization import (
 from tests import allowed_module as am
 from tests import security_functions as sf
 from tests import stranger
-from tests.rpc_harness import Group, admitted_member
+from tests.rpc_harness import Group, admitted_member, answers_to
 
 AM = "tests.allowed_module"
 LISTED = ["torch.add", "torch.ones", "torch.Tensor.sum", "torch.optim.SGD", AM, f"{AM}.Stage.forward",
@@ -400,13 +400,8 @@ def test_a_raw_member_naming_the_function_as_a_value_is_refused(group, tmp_path)
     calls = {100 + i: ({"f": _global(*name), "a": list(args(str(marker))), "k": {}}, refusal)
              for i, (name, args, refusal) in enumerate(ESCAPES)}
     with admitted_member("intruder") as raw:
-        for message_id, (payload, _) in calls.items():
-            raw.send_multipart(codec.encode(Message(MessageType.PYTHON_CALL, message_id, "intruder", payload)))
-        answered = {}
-        while len(answered) < len(calls) and raw.poll(10_000):
-            answer = codec.decode(raw.recv_multipart())
-            if answer.type in (MessageType.PROTOCOL_ERROR, MessageType.EXCEPTION, MessageType.PYTHON_RET):
-                answered[answer.id] = (answer.type, answer.payload)
+        answered = answers_to(raw, codec, {message_id: Message(MessageType.PYTHON_CALL, message_id, "intruder", payload)
+                                           for message_id, (payload, _) in calls.items()})
     assert set(answered) == set(calls)
     for message_id, (_, refusal) in calls.items():
         kind, payload = answered[message_id]

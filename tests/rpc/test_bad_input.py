@@ -13,7 +13,7 @@ from zmqautograd.transport import PROTOCOL_VERSION, Codec, Message, MessageType
 from zmqautograd import rpc
 
 from tests import bad_input_functions as bf
-from tests.rpc_harness import Group, admitted_member
+from tests.rpc_harness import Group, admitted_member, answers_to
 
 pytestmark = pytest.mark.timeout(120)
 LIMIT = 1 << 20
@@ -103,15 +103,10 @@ def test_hostile_global_references_are_refused_with_clear_errors(group):
         34: (["torch.optim", "SGD"], None),  # well-formed: the call runs
     }
     with admitted_member("intruder3") as raw:
-        for message_id, (reference, _) in references.items():
-            value = msgpack.ExtType(EXT_GLOBAL, msgpack.packb(reference))
-            payload = {"f": encode_function(bf.type_name), "a": [value], "k": {}}
-            raw.send_multipart(codec.encode(Message(MessageType.PYTHON_CALL, message_id, "intruder3", payload)))
-        answered = {}
-        while len(answered) < len(references) and raw.poll(10_000):
-            answer = codec.decode(raw.recv_multipart())
-            if answer.type in (MessageType.PROTOCOL_ERROR, MessageType.EXCEPTION, MessageType.PYTHON_RET):
-                answered[answer.id] = (answer.type, answer.payload)
+        answered = answers_to(raw, codec, {
+            message_id: Message(MessageType.PYTHON_CALL, message_id, "intruder3", {
+                "f": encode_function(bf.type_name), "a": [msgpack.ExtType(EXT_GLOBAL, msgpack.packb(reference))], "k": {}})
+            for message_id, (reference, _) in references.items()})
     assert set(answered) == set(references)
     for message_id, (_, error) in references.items():
         kind, payload = answered[message_id]
