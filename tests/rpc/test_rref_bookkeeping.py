@@ -35,6 +35,9 @@ class _Agent:
     default_timeout = 30.0
     pool = _Pool()
 
+    def incarnation_of(self, worker: int) -> int:
+        return 0
+
     def __init__(self, lost: set[str]) -> None:
         self.endpoint = _Endpoint(lost)
         self.rrefs = None
@@ -77,19 +80,32 @@ def test_forks_of_an_unsent_message_are_taken_back(context):
 
 
 def test_a_lost_worker_s_forks_and_early_deletes_go(context):
-    owned = RRef.__new__(RRef)
-    owned._init_owner(context, (0, 8), "Tensor")
-    context.owner_value((0, 8)).set_result(1)
-    context.set_created((0, 8))
-    context.add_fork((0, 8), (5, 1), holder=5)
-    context.delete_fork((0, 8), (5, 2), sender=5)  # its fork request is still on its way
-    context.add_fork((0, 8), (3, 1), holder=3)
-    del owned
-    context.flush_releases(10)  # (our handle's release)
+    context.delete_fork((5, 8), (5, 9), sender=5)  # its remote() (which registers the fork) is on its way
+    context.add_fork((5, 8), (3, 1), holder=3)  # and a fork of it that worker 3 registered
     context.peer_lost(5)
-    assert context._owned[(0, 8)].forks == {(3, 1): 3} and not context._owned[(0, 8)].deleted_early
+    assert context._owned[(5, 8)].forks == {(3, 1): 3} and not context._owned[(5, 8)].deleted_early
     context.peer_lost(3)
     assert context.owned_count() == 0
+
+
+def test_only_a_creator_deletes_a_fork_before_it_is_registered(context):
+    """A child's delete follows its fork's registration (RRefContext._release_loop): one that
+    comes first is another member's, and is refused; so is a creator's of another's value."""
+    from zmqautograd.rpc.errors import NotEntitledError
+
+    _owned_value_kept(context, (0, 8))
+    for fork_id, sender in (((5, 2), 5), ((0, 9), 5)):
+        with pytest.raises(NotEntitledError, match="which is not registered"):
+            context.delete_fork((0, 8), fork_id, sender=sender)
+    assert not context._owned[(0, 8)].deleted_early
+
+
+def _owned_value_kept(rrefs: RRefContext, rref_id: tuple) -> RRef:
+    owned = RRef.__new__(RRef)
+    owned._init_owner(rrefs, rref_id, "Tensor")
+    rrefs.owner_value(rref_id).set_result(1)
+    rrefs.set_created(rref_id)
+    return owned
 
 
 def _owned_value(rrefs: RRefContext, rref_id: tuple) -> None:
@@ -110,9 +126,10 @@ def test_requests_of_a_lost_worker_handled_after_its_loss_keep_nothing(context):
     context.agent.endpoint.lost.add("5")
     context.peer_lost(5)
     context.add_fork((0, 9), (5, 1), holder=5)
-    context.delete_fork((0, 9), (5, 2), sender=5)  # its fork request has not come
+    context.delete_fork((5, 7), (5, 8), sender=5)  # its remote(), which registers that fork, has not come
     entry = context._owned[(0, 9)]
     assert entry.forks == {(3, 1): 3} and entry.deleted_early == {}
+    assert (5, 7) not in context._owned or context._owned[(5, 7)].deleted_early == {}
 
 
 def test_a_value_its_lost_creator_never_created_fails_and_goes(context):

@@ -26,7 +26,7 @@ from .cleanup import CleanupBatcher
 
 MAX_AUTO_INCREMENT = (1 << 48) - 1
 MAX_TOMBSTONES = 100_000  # released context ids remembered (8 bytes or so each)
-_NEVER: frozenset = frozenset()  # the releasers of a context id that was never released
+MAX_RELEASES_AHEAD = 4096  # releases of contexts not here that one worker's word keeps out
 _EXPECTED_SEND_WAIT = 10.0  # seconds a pass waits for a send function still being recorded
 
 
@@ -295,14 +295,17 @@ class ContextContainer:
         self._released = threading.Condition(self._lock)
         self._release_waiters = 0  # threads in wait_released
         self._contexts: dict[int, DistAutogradContext] = {}
-        # Recently released ids, and the workers that released each (None: this one, or the
-        # context's creator): a message of a released context that arrives late (a remote()'s
-        # acknowledgement after its to_here(), a call overtaken by the cleanup) must not bring
-        # the context back, where nothing would release it again. A release of a context that
-        # was never here keeps out only what its releaser sends, or its creator's word: no
-        # other member can keep a context from being made here (``get_or_create``).
-        self._tombstones: dict[int, frozenset[int] | None] = {}
+        # Recently released ids: a message of a released context that arrives late (a
+        # remote()'s acknowledgement after its to_here(), a call overtaken by the cleanup)
+        # must not bring the context back, where nothing would release it again.
+        self._tombstones: set[int] = set()
         self._tombstone_order: deque = deque()
+        # Releases of contexts not here (yet): each keeps out only the messages of the
+        # workers that sent it (of everyone, where its creator did), so that no other member
+        # can keep a context from being made here; bounded per releaser, apart from the
+        # tombstones above, which one member's releases of made-up ids must not flush.
+        self._foreign: dict[int, set[int]] = {}  # context id -> its releasers
+        self._foreign_by: dict[int, deque] = {}  # releaser -> the ids it released, oldest first
         self._unguessable = _UnguessableIds()
         self._context_counter = itertools.count(0)
         self._message_counter = itertools.count(0)
@@ -355,12 +358,15 @@ class ContextContainer:
     def get_or_create(self, context_id: int, from_worker: int) -> DistAutogradContext | None:
         """The context, joined on a message of ``from_worker`` (made on first contact, with
         ``from_worker`` known to it at once: a release from it may race with the message);
-        None if it was released here already by its creator, by us, or by that worker."""
+        None if it was released here already, or released before it came by its creator or
+        by that worker."""
         with self._lock:
             context = self._contexts.get(context_id)
             if context is None:
-                releasers = self._tombstones.get(context_id, _NEVER)
-                if releasers is None or from_worker in releasers:
+                if context_id in self._tombstones:
+                    return None
+                releasers = self._foreign.get(context_id)
+                if releasers is not None and (from_worker in releasers or context_id >> 48 in releasers):
                     return None
                 context = self._contexts[context_id] = DistAutogradContext(context_id)
             context.add_known_worker(from_worker)
@@ -384,20 +390,17 @@ class ContextContainer:
     def remove(self, context_id: int, releaser: int | None = None) -> DistAutogradContext | None:
         """Forget a context here (None if it is not here); clears it as current on this thread.
         ``releaser``: the worker whose release this is, of a context that may not be here yet
-        (None: this worker's own, or its creator's)."""
+        (None: this worker's own)."""
         with self._lock:
             context = self._contexts.pop(context_id, None)
-            # A third party's release of a context not here keeps out only that party's messages.
-            third_party = None if context is not None or releaser == context_id >> 48 else releaser
-            if context_id not in self._tombstones:
-                self._tombstone_order.append(context_id)
-                if len(self._tombstone_order) > MAX_TOMBSTONES:
-                    self._tombstones.pop(self._tombstone_order.popleft(), None)
-                self._tombstones[context_id] = None if third_party is None else frozenset((third_party,))
-            elif third_party is None:
-                self._tombstones[context_id] = None  # (released for good: keeps out everyone)
-            elif (releasers := self._tombstones[context_id]) is not None:
-                self._tombstones[context_id] = releasers | {third_party}
+            if context is not None or releaser is None:
+                if context_id not in self._tombstones:  # released for good: keeps out everyone
+                    self._tombstones.add(context_id)
+                    self._tombstone_order.append(context_id)
+                    if len(self._tombstone_order) > MAX_TOMBSTONES:
+                        self._tombstones.discard(self._tombstone_order.popleft())
+            else:
+                self._keep_out_locked(context_id, releaser)
             if self._release_waiters:  # (a notify costs ~1 us; only tests and shutdown wait)
                 self._released.notify_all()
         if context is not None:
@@ -406,6 +409,21 @@ class ContextContainer:
         if current is not None and current.context_id == context_id:
             self._local.context = None
         return context
+
+    def _keep_out_locked(self, context_id: int, releaser: int) -> None:
+        releasers = self._foreign.setdefault(context_id, set())
+        if releaser in releasers:
+            return
+        releasers.add(releaser)
+        order = self._foreign_by.setdefault(releaser, deque())
+        order.append(context_id)
+        if len(order) > MAX_RELEASES_AHEAD:
+            oldest = order.popleft()
+            others = self._foreign.get(oldest)
+            if others is not None:
+                others.discard(releaser)
+                if not others:
+                    del self._foreign[oldest]
 
     def release_from(self, context_ids: list, from_worker: int) -> tuple[list[DistAutogradContext], list[int]]:
         """``from_worker`` released these contexts: remove those it takes part in (or made)

@@ -73,6 +73,7 @@ from .routes import forwarded_gradients, parse_routes
 
 log = logging.getLogger(__name__)
 
+_EARLY_MAX = 4096  # reports a pass keeps that came before their ticket's announcement
 _FINISHED = RpcError("finished")  # set as the error of a pass that finished: its loops stop
 _NONE: frozenset = frozenset()
 _NO_SUPPRESSION = contextlib.nullcontext()
@@ -491,8 +492,11 @@ class Pass:
                 if owner is None:
                     if ticket in self._early or ticket in self._reported:
                         return f"a second report of ticket {ticket} of backward pass {self.pass_id}", sender
-                    self._early[ticket] = (forwards, claimed)  # taken when it is announced
-                    self._settled += 1
+                    if len(self._early) >= _EARLY_MAX:
+                        return f"more reports of tickets not announced than {_EARLY_MAX}", sender
+                    # Taken when it is announced. No progress (the idle check's): a worker
+                    # that sends tickets nobody announces must not keep the pass waiting.
+                    self._early[ticket] = (forwards, claimed)
                     continue
             refusal = self._take_item(ticket, owner, forwards, claimed, sender)
             if refusal is not None:

@@ -146,6 +146,8 @@ class Agent(Calling, Answers, Serving):
         self._retrying = 0  # retryable control messages not settled yet (call_retrying)
         # A dynamic group (init_rpc without world_size: membership.py), else None.
         self.group = rendezvous if isinstance(rendezvous, DynamicGroup) else None
+        # rank -> its member's join event number (the group's watcher keeps it; None: static)
+        self._incarnations = rendezvous.joined if isinstance(rendezvous, DynamicGroup) else None
         self._members: dict[str, Member] = {}
         self._departed: dict[str, str] = {}  # name -> how a member of a dynamic group went
         self._former_names: dict[int, str] = {}  # rank -> name of the member that left it
@@ -274,6 +276,12 @@ class Agent(Calling, Answers, Serving):
                 group.leave()
 
     # ---------------------------------------------------------------------------- lookup
+
+    def incarnation_of(self, worker: int) -> int:
+        """Which worker of rank ``worker`` is a member now: 0 in a static group; in a dynamic
+        one the number of its join event (-1: none), which its RRef ids carry above bit 32."""
+        joined = self._incarnations
+        return 0 if joined is None else joined.get(worker, -1)
 
     def is_lost(self, worker: int) -> bool:
         """Whether the connection to ``worker`` was lost (it will not come back)."""

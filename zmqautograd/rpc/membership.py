@@ -130,8 +130,8 @@ class DynamicGroup:
         """Publish that we left (gracefully). The store's host may be out of reach (a
         partition; a store client then blocks for its whole timeout): waited for
         ``LEAVE_WAIT`` seconds at most, after which the others learn it when they lose us."""
-        publishing = threading.Thread(target=self._publish_next, args=({"op": "leave", "rank": self.rank,
-                                                                         "group": self.group_id},),
+        leave = {"op": "leave", "rank": self.rank, "join": self.event, "group": self.group_id}
+        publishing = threading.Thread(target=self._publish_next, args=(leave,),
                                       name=f"rpc-leave-{self.rank}", daemon=True)
         publishing.start()
         publishing.join(LEAVE_WAIT)
@@ -243,8 +243,9 @@ def _well_formed(event: Any) -> bool:
 
 
 def _stale(joined: dict[int, int], event: dict) -> bool:
-    """Whether ``event`` is a ``lost`` of a member other than the one of its rank now."""
-    return event["op"] == "lost" and "join" in event and joined.get(event["rank"]) != event["join"]
+    """Whether ``event`` is a ``lost`` or ``leave`` of a member other than the one of its
+    rank now (each names the join it is about)."""
+    return event["op"] in ("lost", "leave") and "join" in event and joined.get(event["rank"]) != event["join"]
 
 
 def _note(joined: dict[int, int], event: dict, number: int) -> None:

@@ -79,6 +79,8 @@ class RRef(Generic[_T]):
     _unsent = False  # its remote() never reached the owner (rpc.api.remote): nothing to delete there
     _deleted = False  # a user RRef deleted by shutdown (RRefContext.delete_all_users)
     _profiling_future: torch.futures.Future | None = None  # remote() under the profiler (profiling.py)
+    # A child's registration of its fork with the owner (RRefContext.decode; None: no child's).
+    _registration: torch.futures.Future | None = None
     rref_id: RRefId
     owner_id: int
     fork_id: RRefId | None  # this user's own id; None on the owner
@@ -93,8 +95,10 @@ class RRef(Generic[_T]):
     # How handles are made (not through __init__, which is the public RRef(value)).
     @classmethod
     def _owner_handle(cls, context: RRefContext, rref_id: RRefId, type_name: str) -> "RRef":
+        """The owner's handle of an RRef that came in a message (its value may be one that no
+        remote() makes: the owner then lets it go after the RPC timeout)."""
         rref = cls.__new__(cls)
-        rref._init_owner(context, rref_id, type_name)
+        rref._init_owner(context, rref_id, type_name, decoded=True)
         return rref
 
     @classmethod
@@ -107,14 +111,14 @@ class RRef(Generic[_T]):
         context._users.add(rref)
         return rref
 
-    def _init_owner(self, context: RRefContext, rref_id: RRefId, type_name: str) -> None:
+    def _init_owner(self, context: RRefContext, rref_id: RRefId, type_name: str, decoded: bool = False) -> None:
         self._context, self.rref_id, self.owner_id, self.fork_id = context, rref_id, context.agent.rank, None
         self._type_name = type_name
         self._confirmed = threading.Event()
         self._confirmed.set()
         self._creation = Future()
         self._creation.set_result(True)
-        context.add_local_handle(rref_id)
+        context.add_local_handle(rref_id, decoded)
 
     # ------------------------------------------------------------------------------ API
 
@@ -299,7 +303,7 @@ class RRef(Generic[_T]):
             if self.is_owner():
                 context.release_later(("owner", self.rref_id))
             elif not self._unsent and not self._deleted:  # else its remote() never went out, or shutdown deleted it
-                context.release_later(("user", self.owner_id, self.rref_id, self.fork_id))
+                context.release_later(("user", self.owner_id, self.rref_id, self.fork_id, self._registration))
         except Exception:  # interpreter shutdown
             pass
 

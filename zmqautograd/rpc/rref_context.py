@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -25,11 +26,11 @@ from .errors import RpcError
 from .futures import Future
 from .refusals import Refusals
 from .rref import RRef, RRefId
-from .rref_owner import _child_accept, _delete_fork, _fork_request, _vouch_for
+from .rref_owner import _child_accept, _delete_fork, _failed, _fork_request, _vouch_for
 
 log = logging.getLogger(__name__)
 
-_UNMADE_WAITS_PER_PEER = 16  # threads a peer may hold waiting for values not being made (wait_for_value)
+_WAITS_PER_PEER = 64  # threads a peer may hold waiting for values not made yet (wait_for_value)
 _UNMADE_TIMEOUT = 60.0  # seconds an asked-for value waits for its remote() (RPC timeout: none)
 _FORK_ID_BASE = 1 << 61  # forks made for other workers: 1 << 61 and up (new_fork_id)
 _UNREGISTERED = object()  # (a fork's holder may be None: a fork this owner made, not yet sent)
@@ -67,13 +68,18 @@ class RRefContext:
         self.forks_made = 0
         self._counter = itertools.count(0)  # local ids from 0, as torch's
         self.refusals = Refusals(f"{agent.info} (RRefs)")  # what members may not do to our forks
-        self._unmade_waits: dict[Any, int] = {}  # peer -> its threads waiting for values not being made
+        self._waits: dict[Any, int] = {}  # peer -> its threads waiting here for values not made yet
         # Registrations with their owners of the user RRefs that decoding on this thread made
         # (``take_registering``): a call that carries them runs once the owners confirmed
         # them, as torch's. ``forks_registered`` is 0 until the first (as ``forks_made``).
         self._registering = threading.local()
         self.forks_registered = 0
         self._users: weakref.WeakSet = weakref.WeakSet()  # user RRefs here (debug_info counts the unconfirmed)
+        # fork id -> the user RRef here that holds it: an RRef that comes in again under a fork
+        # id held here is refused (a second one would delete the first's fork when it goes)
+        self._held: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._deferred = 0  # user deletes waiting for their RRef's registration (_release_loop)
+        self._requeued = 0  # such deletes queued again once it settled (flush_releases counts them)
         self._control_in_flight = 0  # fork requests, child accepts and deletes not answered yet
         # RRefs dropped by ``__del__``, released on a thread of their own. ``__del__`` runs
         # wherever the garbage collector happens to run, possibly on a thread that holds the
@@ -134,18 +140,18 @@ class RRefContext:
     def wait_for_value(self, rref_id: RRefId) -> Any:
         """The value ``rref_id`` owned here, waited for (a remote() may still be making it),
         on a thread that lets the pool start another meanwhile. The thread serves a call of
-        ``current.caller()``: a worker may have at most ``_UNMADE_WAITS_PER_PEER`` threads
-        waiting for values that no remote() is making yet (its own ids that it never makes
-        would otherwise hold every thread of the pool until they expire)."""
+        ``current.caller()``: a worker may have at most ``_WAITS_PER_PEER`` threads waiting
+        for values here at once (its own values that it never finishes making would otherwise
+        hold every thread of the pool)."""
         peer = current.caller()
         with self._lock:
             entry = self._entry(rref_id, asked=True)
-            counted = not (entry.created or entry.making or entry.value.done()) and peer not in (None, self.agent.rank)
+            counted = not entry.value.done() and peer not in (None, self.agent.rank)
             if counted:
-                if self._unmade_waits.get(peer, 0) >= _UNMADE_WAITS_PER_PEER:
-                    raise self.refusals.refuse(peer, f"one more wait for RRef {rref_id}, which no remote() is making: "
-                                                     f"{_UNMADE_WAITS_PER_PEER} of its calls wait for such values already")
-                self._unmade_waits[peer] = self._unmade_waits.get(peer, 0) + 1
+                if self._waits.get(peer, 0) >= _WAITS_PER_PEER:
+                    raise self.refusals.refuse(peer, f"one more wait for RRef {rref_id}, which is not made yet: "
+                                                     f"{_WAITS_PER_PEER} of its calls wait for values here already")
+                self._waits[peer] = self._waits.get(peer, 0) + 1
         try:
             if entry.value.done():
                 return entry.value.wait()
@@ -155,7 +161,7 @@ class RRefContext:
         finally:
             if counted:
                 with self._lock:
-                    self._unmade_waits[peer] -= 1
+                    self._waits[peer] -= 1
 
     # Forks are bound to the worker that holds them (docs/security.md): only it registers
     # (``_fork_request``), accepts (``child_accepted``) or deletes one, and a delete that
@@ -208,6 +214,11 @@ class RRefContext:
                 del entry.forks[fork_id]
             elif sender is not None and fork_id in entry.deleted_early:
                 raise self.refusals.refuse(sender, f"a second deletion of RRef fork {fork_id} of {rref_id}")
+            elif sender is not None and not (fork_id[0] == sender and self._is_creator(rref_id, sender)):
+                # Before its fork is registered, only the creator's delete of remote()'s own
+                # fork comes (a child's follows its registration: _release_loop).
+                raise self.refusals.refuse(sender, f"the deletion of RRef fork {fork_id} of {rref_id}, which is "
+                                                   "not registered")
             elif not self._is_lost(sender):  # (a lost sender's fork is never kept: add_fork)
                 entry.deleted_early[fork_id] = sender
             self._maybe_release(rref_id, entry)
@@ -215,11 +226,17 @@ class RRefContext:
     def holds(self, rref_id: RRefId, worker: int) -> bool:
         """Whether ``worker`` may use the value ``rref_id`` owned here as its own: this worker,
         its creator (remote()'s caller made its id), or a holder of one of its forks."""
-        if worker in (self.agent.rank, rref_id[0]):
+        if worker == self.agent.rank or self._is_creator(rref_id, worker):
             return True
         with self._lock:
             entry = self._owned.get(rref_id)
             return entry is not None and worker in entry.forks.values()
+
+    def _is_creator(self, rref_id: RRefId, worker: int) -> bool:
+        """Whether ``worker`` made the id ``rref_id`` (remote()'s caller): of its rank and, in
+        a dynamic group, of the worker of that rank now (ids carry its join's number above
+        bit 32), not of an earlier one whose rank it took."""
+        return rref_id[0] == worker and rref_id[1] >> 32 == self.agent.incarnation_of(worker)
 
     def register_fork(self, rref_id: RRefId, fork_id: tuple, child: int) -> torch.futures.Future:
         """``child`` registers ``fork_id`` of ``rref_id`` (``_fork_request``). A fork id is its
@@ -274,7 +291,7 @@ class RRefContext:
         backward pass from it): this worker, its creator (remote()'s caller made the id), or
         the holder of its fork ``fork_id`` (a fork made as data: whoever shows it). Ids count
         up, so a member could name others' values: it is refused."""
-        if caller in (self.agent.rank, rref_id[0]):
+        if caller == self.agent.rank or self._is_creator(rref_id, caller):
             return
         with self._lock:
             entry = self._owned.get(rref_id)
@@ -285,7 +302,7 @@ class RRefContext:
     def _may_be_made(self, rref_id: RRefId, sender: int) -> bool:  # caller holds the lock
         """Whether a value ``rref_id`` may still come to be here: its creator's remote() may
         be on its way (one of ``sender``'s own), or it is being made."""
-        return rref_id[0] == sender
+        return self._is_creator(rref_id, sender)
 
     def _is_lost(self, worker: int | None) -> bool:
         """Whether ``worker`` (a fork's holder, None for one we registered ourselves) is lost.
@@ -321,23 +338,39 @@ class RRefContext:
             entry.value.set_exception(error)
         self.set_created(rref_id)
 
-    def add_local_handle(self, rref_id: RRefId) -> None:
+    def add_local_handle(self, rref_id: RRefId, decoded: bool = False) -> None:
+        """``decoded``: an owner handle a message brought (the value may be one nobody makes)."""
         with self._lock:
-            self._entry(rref_id).local_handles += 1
+            self._entry(rref_id, asked=decoded).local_handles += 1
 
     # --------------------------------------------------------------- releases from __del__
 
     def release_later(self, item: tuple) -> None:
         """From ``RRef.__del__``: ``("owner", rref_id)`` or ``("user", owner_id, rref_id,
-        fork_id)``. Takes no lock (see ``__init__``)."""
+        fork_id, registration)`` (the future of its fork's registration, or None). Takes no
+        lock (see ``__init__``)."""
         self._released.put(item)
 
     def flush_releases(self, timeout: float | None) -> bool:
         """Wait until every release queued so far has been acted on (a user delete is then
-        counted by the agent's outstanding work). False on timeout."""
-        done = threading.Event()
-        self._released.put(done)
-        return done.wait(timeout)
+        counted by the agent's outstanding work), those that waited for their fork's
+        registration included. False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+        while True:
+            requeued = self._requeued
+            done = threading.Event()
+            self._released.put(done)
+            if not done.wait(left()):
+                return False
+            with self._children_accepted:  # (the context's lock)
+                if not self._children_accepted.wait_for(lambda: self._deferred == 0, left()):
+                    return False
+                if self._requeued == requeued:  # none queued again since: all acted on
+                    return True
 
     def stop_releasing(self) -> None:
         self._released.put(None)
@@ -354,14 +387,31 @@ class RRefContext:
                 if item[0] == "owner":
                     self.drop_local_handle(item[1])
                 else:
-                    _, owner_id, rref_id, fork_id = item
+                    _, owner_id, rref_id, fork_id, registration = item
+                    if registration is not None and not registration.done():
+                        # A fork whose registration is on its way: its delete follows it (the
+                        # owner takes a delete only for a fork registered as its sender's).
+                        with self._lock:
+                            self._deferred += 1
+                        registration.add_done_callback(lambda _, again=item: self._registration_settled(again))
+                        continue
                     agent = self.agent
+                    if registration is not None and _failed(registration):
+                        continue  # never registered: nothing to delete
                     if not agent.closed and agent.rrefs is self:
                         self._control(owner_id, _delete_fork, (list(rref_id), list(fork_id)),
                                       MessageType.RREF_USER_DELETE)
             except Exception as exc:  # noqa: BLE001 - the owner's peer-loss handling covers the rest
                 log.debug("releasing %s failed: %s", item, exc)
             del item
+
+    def _registration_settled(self, item: tuple) -> None:
+        with self._lock:
+            self._requeued += 1
+        self._released.put(item)  # (its registration is done now: acted on when it comes round)
+        with self._lock:
+            self._deferred -= 1
+            self._children_accepted.notify_all()
 
     def drop_local_handle(self, rref_id: RRefId) -> None:
         with self._lock:
@@ -514,7 +564,7 @@ class RRefContext:
         for rref in list(self._users):
             if not rref._deleted and not rref._unsent:
                 rref._deleted = True
-                self.release_later(("user", rref.owner_id, rref.rref_id, rref.fork_id))
+                self.release_later(("user", rref.owner_id, rref.rref_id, rref.fork_id, rref._registration))
 
     def live_users(self) -> int:
         """User RRefs here that were not deleted (at shutdown: leaked, in torch's words)."""
@@ -607,12 +657,20 @@ class RRefContext:
                 self.delete_fork(rref_id, fork_id)
             self._accept_child(parent, fork_id)
             return rref
+        if not bearer and fork_id[0] != parent:  # (a fork id is made by the worker that forks)
+            raise self.refusals.refuse(None if sender is None else sender,
+                                       f"an RRef of {rref_id} under fork id {fork_id}, which worker {parent} did not make")
+        if self._held.get(fork_id) is not None:
+            raise self.refusals.refuse(None if sender is None else sender,
+                                       f"an RRef of {rref_id} under fork id {fork_id}, which an RRef here holds")
         rref = RRef._user(self, rref_id, owner_id, fork_id, type_name)
+        self._held[fork_id] = rref
         if parent == owner_id and not bearer:
             rref._confirmed.set()  # the owner registered this fork for us when it sent it
             return rref
         registered = self._control(owner_id, _fork_request, (list(rref_id), list(fork_id)),
                                    MessageType.RREF_FORK_REQUEST)
+        rref._registration = registered  # (its delete waits for it: _release_loop)
         self.forks_registered += 1
         registering = getattr(self._registering, "futures", None)
         if registering is None:

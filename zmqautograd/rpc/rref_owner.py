@@ -38,8 +38,10 @@ def _run_remote(rref_id_sent: list, fork_id: list | None, function: Callable, ar
 
     context, rref_id = _context(), tuple(rref_id_sent)
     caller = current.caller()
-    if caller is not None and (rref_id[0] != caller or (fork_id is not None and fork_id[0] != caller)):
-        # remote()'s caller makes the ids (RRefContext.new_id): others' are not its to name.
+    if caller is not None and (rref_id[0] != caller or (fork_id is not None and fork_id[0] != caller)
+                               or rref_id[1] >> 32 != context.agent.incarnation_of(caller)):
+        # remote()'s caller makes the ids (RRefContext.new_id): others' (an earlier worker's of
+        # its rank among them) are not its to name.
         raise RpcError(f"worker {caller} sent remote() with RRef ids of another worker ({rref_id}, {fork_id})")
     if fork_id is not None:  # made by the caller, who holds it
         context.add_fork(rref_id, tuple(fork_id), caller, made_by_holder=caller is not None)
