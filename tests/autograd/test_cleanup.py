@@ -152,3 +152,39 @@ def test_a_release_abandoned_by_our_own_shutdown_is_a_debug_line(caplog):
         agent.sent.set_exception(RpcError("call to WorkerInfo(id=4, name=worker4) abandoned: shutdown"))
     (record,) = [r for r in caplog.records if r.name == cleanup.__name__]
     assert record.levelno == logging.DEBUG and "[329] on worker 4" in record.getMessage()
+
+
+# ------------------------------------------------- who may release a context (docs/security.md)
+
+
+def test_a_context_is_released_only_by_a_worker_of_it_or_its_creator():
+    from zmqautograd.autograd.context import ContextContainer
+
+    container = ContextContainer(0)
+    context_id = (4 << 48) + 17  # made by worker 4; here through worker 1's call
+    assert container.get_or_create(context_id, 1) is not None
+    removed, refused = container.release_from([context_id], 2)  # worker 2 took no part in it
+    assert removed == [] and refused == [context_id] and container.is_valid(context_id)
+    removed, refused = container.release_from([context_id], 4)  # its creator
+    assert [c.context_id for c in removed] == [context_id] and refused == []
+    assert container.get_or_create(context_id, 1) is None  # released for good: nobody brings it back
+
+
+def test_a_release_of_a_context_not_here_keeps_out_only_its_releasers_messages():
+    from zmqautograd.autograd.context import MAX_RELEASES_AHEAD, ContextContainer
+
+    container = ContextContainer(0)
+    released_for_good = (4 << 48) + 1
+    container.get_or_create(released_for_good, 4)
+    container.remove(released_for_good)
+    context_id = (4 << 48) + 2
+    container.release_from([context_id], 2)  # worker 2's word, before the context came here
+    assert container.get_or_create(context_id, 2) is None  # its own messages stay out
+    assert container.get_or_create(context_id, 1) is not None  # another worker's make it
+    # One worker's releases of made-up ids are kept apart and bounded: they flush nothing.
+    container.release_from([(9 << 48) + i for i in range(MAX_RELEASES_AHEAD + 100)], 3)
+    assert len(container._foreign_by[3]) == MAX_RELEASES_AHEAD
+    assert container.get_or_create(released_for_good, 1) is None
+    created_ahead = (4 << 48) + 3
+    container.release_from([created_ahead], 4)  # its creator's word keeps out everyone's
+    assert container.get_or_create(created_ahead, 1) is None

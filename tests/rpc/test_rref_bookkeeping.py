@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import poll_until
 from zmqautograd.transport.errors import PeerLostError
 from zmqautograd.rpc.rref import RRef
 from zmqautograd.rpc.rref_context import RRefContext
@@ -166,3 +167,43 @@ def test_a_value_whose_remote_runs_when_its_creator_is_lost_is_kept(context):
     assert context.owner_value((5, 3)).wait() == 42
     context.delete_fork((5, 3), (3, 1), sender=3)
     assert context.owned_count() == 0
+
+
+def test_a_peer_holds_at_most_64_threads_waiting_for_values_not_made(context):
+    """Worker 2 calls for values of its own that it never makes (ids it may name): 64 of its
+    threads wait, the 65th is refused at once, and the value's making frees them."""
+    import threading
+
+    from zmqautograd.rpc import current
+    from zmqautograd.rpc.errors import NotEntitledError
+
+    results: list = []
+
+    def wait_as_worker_2(rref_id: tuple) -> None:
+        current._calls.rank = 2
+        try:
+            results.append(context.wait_for_value(rref_id))
+        except NotEntitledError as exc:
+            results.append(exc)
+
+    waiting = [threading.Thread(target=wait_as_worker_2, args=((2, i),)) for i in range(64)]
+    for thread in waiting:
+        thread.start()
+    poll_until(lambda: context._waits.get(2) == 64, 10, "64 waits")
+    wait_as_worker_2((2, 99))
+    assert isinstance(results[-1], NotEntitledError) and "64 of its calls wait" in str(results[-1])
+    for i in range(64):
+        context.owner_value((2, i)).set_result(i)
+    for thread in waiting:
+        thread.join(10)
+    assert sorted(r for r in results if isinstance(r, int)) == list(range(64)) and context._waits[2] == 0
+
+
+def test_a_later_worker_of_a_rank_is_not_the_creator_of_an_earlier_ones_values(context):
+    from zmqautograd.rpc.errors import NotEntitledError
+
+    context.agent.incarnation_of = lambda worker: 7 if worker == 3 else 0  # rank 3's member joined as event 7
+    first = (3, 5 << 32)  # an id the earlier worker of rank 3 (joined as event 5) made
+    with pytest.raises(NotEntitledError, match="which it holds no fork of"):
+        context.check_user(first, None, 3)
+    context.check_user((3, 7 << 32), None, 3)  # its own

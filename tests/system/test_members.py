@@ -135,10 +135,17 @@ def test_a_member_cannot_delete_or_take_another_workers_rref_forks(group):
         outcome = rpc.rpc_sync("worker2", sf.call_with_forged_rref, args=(1, forged))
         assert "NotEntitledError" in outcome and ("says worker 1 forked" in outcome or "holds no fork of" in outcome), \
             outcome
+    # The driver's own fork, sent to the driver as worker2's (or as data of _serialize): a
+    # second RRef under it would delete the driver's fork when it went.
+    for forged in ([list(probe.rref_id), 1, list(probe.fork_id), 2, "Tensor"],
+                   [list(probe.rref_id), 1, list(probe.fork_id), 0, "Tensor", True]):
+        outcome = rpc.rpc_sync("worker2", sf.call_with_forged_rref, args=(0, forged))
+        assert "NotEntitledError" in outcome and ("did not make" in outcome or "which an RRef here holds" in outcome), \
+            outcome
     rrefs = [rpc.remote("worker1", torch.add, args=(torch.ones(2), i)) for i in range(4)]
     assert [r.to_here().tolist() for r in rrefs] == [[1.0 + i] * 2 for i in range(4)]
     assert torch.equal(probe.to_here(), torch.ones(2))
-    assert _refusals("worker1", 2) >= len(ahead) + 5
+    assert _refusals("worker1", 2) >= len(ahead) + 5 and _refusals("worker0", 2) >= 2
 
 
 def test_a_member_cannot_fetch_or_run_a_backward_pass_from_another_workers_rref(group):

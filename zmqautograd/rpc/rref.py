@@ -109,6 +109,7 @@ class RRef(Generic[_T]):
         rref._confirmed = threading.Event()
         rref._creation = Future()  # settles with the owner's answer
         context._users.add(rref)
+        context._held[fork_id] = rref
         return rref
 
     def _init_owner(self, context: RRefContext, rref_id: RRefId, type_name: str, decoded: bool = False) -> None:

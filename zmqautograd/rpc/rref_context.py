@@ -664,7 +664,6 @@ class RRefContext:
             raise self.refusals.refuse(None if sender is None else sender,
                                        f"an RRef of {rref_id} under fork id {fork_id}, which an RRef here holds")
         rref = RRef._user(self, rref_id, owner_id, fork_id, type_name)
-        self._held[fork_id] = rref
         if parent == owner_id and not bearer:
             rref._confirmed.set()  # the owner registered this fork for us when it sent it
             return rref
