@@ -94,11 +94,12 @@ def test_only_a_creator_deletes_a_fork_before_it_is_registered(context):
     comes first is another member's, and is refused; so is a creator's of another's value."""
     from zmqautograd.rpc.errors import NotEntitledError
 
-    _owned_value_kept(context, (0, 8))
+    owned = _owned_value_kept(context, (0, 8))  # held here: its release would end the value
     for fork_id, sender in (((5, 2), 5), ((0, 9), 5)):
         with pytest.raises(NotEntitledError, match="which is not registered"):
             context.delete_fork((0, 8), fork_id, sender=sender)
     assert not context._owned[(0, 8)].deleted_early
+    assert owned.is_owner()
 
 
 def _owned_value_kept(rrefs: RRefContext, rref_id: tuple) -> RRef:
