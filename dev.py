@@ -8,6 +8,7 @@
     python3 dev.py bench-transport  # the transport next to raw pyzmq
     python3 dev.py bench-scale      # as the work grows: 2-16 workers, chains, threads, idle cost
     python3 dev.py bench-instr      # instructions per step under callgrind, two commits (A/B)
+    python3 dev.py bench-hosts      # between hosts (network + pid namespaces, root): next to TensorPipe
     python3 dev.py pingpong         # tensors out and back over the transport
     python3 dev.py stress           # a random mix under faults and a kill (tools/stress.py --help)
     python3 dev.py compose          # the demo on a real Docker engine, one container per worker;
@@ -71,6 +72,7 @@ def main() -> int:
         "bench-transport": [PYTHON, "tools/bench_transport.py", *sys.argv[2:]],
         "bench-scale": [PYTHON, "tools/bench_scale.py", *sys.argv[2:]],
         "bench-instr": [PYTHON, "tools/bench_instr.py", *sys.argv[2:]],
+        "bench-hosts": [PYTHON, "tools/bench_hosts.py", *sys.argv[2:]],
         "pingpong": [PYTHON, "tools/pingpong.py"],
         "stress": [PYTHON, "tools/stress.py", *sys.argv[2:]],
         "compose": [PYTHON, "tools/compose.py", *sys.argv[2:]],
@@ -79,7 +81,7 @@ def main() -> int:
         print(__doc__.strip())
         return 2
     ensure_venv()
-    if sys.argv[1] in ("bench", "bench-scale"):
+    if sys.argv[1] in ("bench", "bench-scale", "bench-hosts"):
         ensure_bench_extras()
     if sys.argv[1] == "test" and len(sys.argv) == 2:  # the whole suite: lint and types first
         for step in ("lint", "types"):
