@@ -8,6 +8,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
 import zmqautograd.rpc as rpc
 from zmqautograd.rpc import api
 
@@ -40,13 +42,21 @@ def main() -> None:
         pickle = "accepted"
     except RuntimeError as exc:
         pickle = f"refused: {exc}"
+    # A big tensor each way, over the bulk connection where the group encrypts (sealed by
+    # us, not CurveZMQ: transport/bulk.py), else through the socket.
+    big = torch.randn(1 << 19)
+    big_back = rpc.rpc_sync(f"host{(rank + 1) % world_size}", echo, args=(big,))
+    big_ok = bool(torch.equal(big_back, big))
     hold = os.environ.get("ZQ_SERVE_UNTIL")  # serve until the test says (a stranger attacks)
     deadline = time.monotonic() + 90
     while hold and not os.path.exists(hold) and time.monotonic() < deadline:
         time.sleep(0.05)  # (a file another process makes: nothing to wait on)
     seen["still"] = rpc.rpc_sync(f"host{(rank + 1) % world_size}", whoami_and_address)
+    stats = api._agent.endpoint.stats().values()
+    paths = {"bulk": sum(s.buffers_bulk for s in stats), "lent": sum(s.buffers_lent for s in stats),
+             "rings": sum(s.shared_memory for s in stats)}
     rpc.shutdown()
-    print(json.dumps({"seen": seen, "pickle": pickle}), flush=True)
+    print(json.dumps({"seen": seen, "pickle": pickle, "big": big_ok, "paths": paths}), flush=True)
 
 
 if __name__ == "__main__":

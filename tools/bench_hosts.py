@@ -164,9 +164,10 @@ def launch(hosts: list[str], config: str, sizes: list[int], timeout: float) -> d
         for process in processes:  # the whole session: unshare's child outlives a killed unshare
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-    for process, (_, err) in zip(processes, outputs):
-        if process.returncode != 0:
-            raise SystemExit(f"{CONFIGS[config]}: a worker failed (exit {process.returncode}):\n{err[-3000:]}")
+    if any(process.returncode != 0 for process in processes):
+        errors = "\n".join(f"--- worker {rank} (exit {process.returncode}):\n{err[-3000:]}"
+                           for rank, (process, (_, err)) in enumerate(zip(processes, outputs)))
+        raise SystemExit(f"{CONFIGS[config]}: a worker failed:\n{errors}")
     return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 

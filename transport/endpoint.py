@@ -188,6 +188,7 @@ class Endpoint(IoThread, WaitingThreads, Handshake, LendingProtocol, RingProtoco
         self._challenge = os.urandom(lending.CHALLENGE_BYTES)
         self._releases: deque = deque()
         self._transfer_ids = itertools.count(1)
+        self._bulk = None  # made by the I/O thread once bound (io_loop.py, _open_bulk)
 
         self._lock: threading.Lock = threading.Lock()  # guards the peer table, outbox hand-over and closing
         # Held for every use of the ROUTER (see the module's docstring). Lock order: the socket

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from .bulk import listen_host
 from .codec import Envelope, ExtensionNotDecoded, Message, MessageType
 from .errors import (
     ProtocolError,
@@ -25,6 +27,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ZAP_HELD_MAX = 64  # connections waiting to be identified (NotYetKnown), at most
+
+def _peer_host(address: str | None, fd: int | None) -> str | None:
+    """The peer's host: from the address we connected to, else from the connection it made."""
+    if address is not None:
+        return listen_host(address)
+    if fd is None:
+        return None
+    try:
+        with socket.socket(fileno=os.dup(fd)) as connection:
+            return connection.getpeername()[0]
+    except OSError:
+        return None
+
 
 def _zap_address(request: list[bytes]) -> str:
     return request[3].decode(errors="replace") if len(request) > 3 else "?"
@@ -128,6 +143,8 @@ class Handshake:
             payload["lend"] = {"host": self._host_key, "pid": os.getpid(), "challenge": self._challenge}
         if self._shm_host is not None:
             payload["shm"] = {"host": self._shm_host, "pid": os.getpid()}
+        if self._bulk is not None:
+            payload["bulk"] = self._bulk.hello(peer)  # over CURVE only: it carries a key
         self._send_control(peer, MessageType.HELLO, payload, hello=True)
 
     def _send_control(self: Endpoint, peer: str, kind: MessageType, payload: Any, hello: bool = False) -> None:
@@ -182,6 +199,8 @@ class Handshake:
             self._by_fd[fd] = peer
             proof = self._guard.prove(hello.get("nonce"), peer) if self._guard is not None else None
             self._send_hello(peer, proof=proof)
+        if self._bulk is not None and "bulk" in hello:
+            self._bulk.offered(peer, hello["bulk"], _peer_host(record.address, record.fd))
         for message_id, frames, nbytes in waiting:
             self._send_to_peer(peer, message_id, frames, nbytes)
         if self._host_key is not None or self._shm_host is not None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from . import lending, shm
+from . import bulk, lending, shm, staging
 from .codec import CONTROL_TYPES as _CONTROL_TYPES
 from .codec import Envelope, Message, MessageType
 from .errors import (
@@ -105,6 +105,7 @@ class IoThread:
     _bell: shm.Bell | None
     _flags: shm.Flags | None
     _start_error: BaseException | None
+    _bulk: bulk.BulkLinks | None  # big buffers to peers on other hosts (transport/bulk.py)
 
     def _io_main(self: Endpoint, bind_list: list[str], started: threading.Event) -> None:
         if self._inline is not None:
@@ -179,6 +180,7 @@ class IoThread:
             self.addresses.append(router.getsockopt(zmq.LAST_ENDPOINT).decode())
         # The ROUTER's own descriptor, not the socket: polling it touches no libzmq state, so
         # other threads may send while this one waits.
+        self._bulk = self._open_bulk()
         self._router_fd = router.getsockopt(zmq.FD)
         self._shared_fds: list[int] = [self._router_fd]  # what the reading waiter watches with us
         if self._shm_host is not None:
@@ -200,7 +202,35 @@ class IoThread:
         self._heartbeat_frames = self.codec.encode(Message(MessageType.HEARTBEAT, 0, self.identity))
         self._router_open = True
 
+    def _open_bulk(self: Endpoint) -> bulk.BulkLinks | None:
+        """Our bulk listener (transport/bulk.py), where it applies: over CURVE (HELLOs carry
+        its keys, so they must be confidential), on TCP, with ``bulk_min`` set."""
+        options = self.options
+        guard = self._guard
+        confidential = isinstance(guard, ClusterKeys) or (isinstance(guard, Membership) and guard.mechanism == "curve")
+        host = bulk.listen_host(self.addresses[0]) if self.addresses else None
+        if not (options.bulk_min and confidential and host and bulk.AVAILABLE):
+            return None
+        pool = staging.plain_pool(options.lend_cache, 1 << 16) if options.lend_cache else None
+        try:
+            return bulk.BulkLinks(host, options.bulk_min, options.bulk_window, self.codec.max_message_bytes,
+                                  options.peer_timeout, pool, options.bulk_same_host, self._bulk_broken)
+        except OSError as exc:
+            log.warning("endpoint %s: no bulk listener on %s (%s): big buffers go through the socket",
+                        self.identity, host, exc)
+            return None
+
+    def _bulk_broken(self: Endpoint, peer: str, reason: str) -> None:
+        """A bulk connection of ``peer`` failed (called from a bulk thread): the I/O thread
+        loses the peer, so that the calls waiting on it fail at once with the reason."""
+        with self._lock:
+            if not self._closed:
+                self._post_locked(("bulk_broken", peer, reason))
+
     def _close_sockets(self: Endpoint, linger: float) -> None:
+        bulk_links = getattr(self, "_bulk", None)
+        if bulk_links is not None:
+            bulk_links.close(linger)
         with self._socket_lock:
             self._router_open = False  # senders now get EndpointClosedError
         with self._lock:
@@ -322,6 +352,9 @@ class IoThread:
             elif kind == "connect":
                 _, peer, address = command
                 self._connect(peer, address)
+            elif kind == "bulk_broken":
+                _, peer, reason = command
+                self._peer_lost(peer, reason)
             elif kind == "zap":
                 if self._zap_held:
                     self._answer_held_zap()
@@ -366,6 +399,12 @@ class IoThread:
                 copy = True
                 record.lent_bytes += sum(map(ctypes.sizeof, lent.values()))
                 self._bound_queued(record, record.lent_bytes)  # it may never release what it read
+        elif (bulk_links := self._bulk) is not None and nbytes >= bulk_links.min_bytes and record.ring_out is None \
+                and bulk_links.uses(peer):
+            frames, diverted = bulk_links.divert(peer, frames, self.options.connect_timeout)
+            if diverted:
+                stats.buffers_bulk += diverted
+                copy = True
         if record.ring_out is not None:  # a peer on this host (transport/shm.py)
             pieces = shm.encode(frames)
             if not record.unwritten and len(pieces) == 1:

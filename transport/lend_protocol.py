@@ -64,22 +64,31 @@ class LendingProtocol:
                     record.lent_bytes -= ctypes.sizeof(buffer)
 
     def _borrow(self: Endpoint, peer: str, frames: list) -> list:
-        """Frames of a message with lent buffers: each empty placeholder replaced with a
-        LentFrame that reads the buffer when the payload is decoded."""
+        """Frames of a message with lent buffers, or buffers on the bulk connection
+        (transport/bulk.py): each empty placeholder replaced with a frame that reads the
+        buffer when the payload is decoded (LentFrame, BulkFrame)."""
         record = self._peers.get(peer)
         reader = record.reader if record is not None else None
+        borrowed = 0
+        envelope_frame = frames[2]
         try:
-            if reader is None:
-                raise RemoteProtocolError(f"{peer!r} lent buffers, but this endpoint has not verified it can read its memory")
             entries = lending.decode_table(frames[1], frames[3:])
+            frames = [frames[0], *frames[2:]]
+            done = functools.partial(self._borrowed_done, peer)
+            for index, transfer_id, address, nbytes in entries:
+                if address is None:
+                    if self._bulk is None or record is None:
+                        raise RemoteProtocolError(f"{peer!r} sent a bulk transfer, but this endpoint offered it none")
+                    frames[1 + index] = self._bulk.frame(peer, transfer_id, nbytes)
+                    continue
+                if reader is None:
+                    raise RemoteProtocolError(f"{peer!r} lent buffers, but this endpoint has not verified it can read its memory")
+                frames[1 + index] = LentFrame(reader, address, nbytes, transfer_id, done, peer)
+                borrowed += 1
         except RemoteProtocolError as exc:
-            exc.message_id = _peek_message_id(frames[2])  # so the refusal names the message
+            exc.message_id = _peek_message_id(envelope_frame)  # so the refusal names the message
             raise
-        frames = [frames[0], *frames[2:]]
-        done = functools.partial(self._borrowed_done, peer)
-        for index, transfer_id, address, nbytes in entries:
-            frames[1 + index] = LentFrame(reader, address, nbytes, transfer_id, done, peer)
-        self._stats[peer].buffers_borrowed += len(entries)
+        self._stats[peer].buffers_borrowed += borrowed
         return frames
 
     def _borrowed_done(self: Endpoint, peer: str, transfer_id: int, read: bool) -> None:

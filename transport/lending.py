@@ -199,9 +199,11 @@ def is_table(frame: Any) -> bool:
     return _frame_buffer(frame)[:1] == _MARK_BYTE
 
 
-def decode_table(frame: Any, buffer_frames: list) -> list[tuple[int, int, int, int]]:
+def decode_table(frame: Any, buffer_frames: list) -> list[tuple[int, int, int | None, int]]:
     """``(frame_index, transfer_id, address, nbytes)`` of each lent buffer, checked against the
-    message's buffer frames (those after the envelope). Raises RemoteProtocolError."""
+    message's buffer frames (those after the envelope); ``address`` is None for a buffer that
+    comes over the bulk connection (transport/bulk.py: entries of three fields). Raises
+    RemoteProtocolError."""
     try:
         entries = msgpack.unpackb(_frame_buffer(frame)[1:], use_list=True, raw=False)
     except Exception as exc:  # msgpack raises many types for garbage; all mean the same
@@ -211,15 +213,19 @@ def decode_table(frame: Any, buffer_frames: list) -> list[tuple[int, int, int, i
     seen: set[int] = set()
     checked = []
     for entry in entries:
-        if not isinstance(entry, list) or len(entry) != 4 or not all(type(v) is int and v >= 0 for v in entry):
-            raise RemoteProtocolError(f"lent-buffer entry must be 4 non-negative ints, got {entry!r:.80}")
-        index, transfer_id, address, nbytes = entry
+        if not isinstance(entry, list) or len(entry) not in (3, 4) or not all(type(v) is int and v >= 0 for v in entry):
+            raise RemoteProtocolError(f"buffer table entry must be 3 or 4 non-negative ints, got {entry!r:.80}")
+        if len(entry) == 3:
+            index, transfer_id, nbytes = entry
+            address: int | None = None
+        else:
+            index, transfer_id, address, nbytes = entry
         if not 1 <= index <= len(buffer_frames) or index in seen:
             raise RemoteProtocolError(f"lent-buffer entry names frame {index}, message has frames 1..{len(buffer_frames)}")
         if len(buffer_frames[index - 1]) != 0:
             raise RemoteProtocolError(f"frame {index} is lent but not empty")
         if nbytes == 0 or address == 0:
-            raise RemoteProtocolError(f"lent buffer at {address:#x} of {nbytes} bytes")
+            raise RemoteProtocolError(f"lent buffer at {address or 0:#x} of {nbytes} bytes")
         seen.add(index)
         checked.append((index, transfer_id, address, nbytes))
     return checked

@@ -83,6 +83,8 @@ class Liveness:
             record.in_libzmq, record.in_libzmq_bytes, record.lent_bytes = deque(), 0, 0
         # The peer may not know yet that it lost us, and still read what we lent it.
         lending.retire(lent.values(), self.options.peer_timeout)
+        if self._bulk is not None:
+            self._bulk.forget(peer, str(error))
         self._close_rings(record)
         log.log(level, "%s", error)
         if record.address is not None:

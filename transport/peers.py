@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from . import shm
+from .bulk import DEFAULT_BULK_MIN
 from .errors import (
     PeerLostError,
 )
@@ -59,6 +60,14 @@ class EndpointOptions:
     # secret get in (transport/security.py), under any name. ``Endpoint(membership=...)``
     # admits named members instead, each with credentials of its own.
     cluster_secret: str | bytes | None = field(default=None, repr=False)
+    # Over CURVE, buffers of at least this many bytes to a peer on another host go over a
+    # TCP connection of their own, sealed with AES-256-GCM (transport/bulk.py): CurveZMQ
+    # moves 120-240 MB/s. 0: never. ``bulk_window``: bytes of such buffers a peer's
+    # connection may bring ahead of the messages that take them (at least one message's).
+    # ``bulk_same_host``: to peers on this host too (where lending and rings do not apply).
+    bulk_min: int = DEFAULT_BULK_MIN
+    bulk_window: int = 256 << 20
+    bulk_same_host: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.peer_timeout:
@@ -83,6 +92,8 @@ class EndpointOptions:
                              f"same-host peer and direction")
         if self.spin < 0:
             raise ValueError("spin must be >= 0")
+        if self.bulk_min < 0 or self.bulk_window < 0:
+            raise ValueError("bulk_min and bulk_window must be >= 0")
         if self.max_queued_bytes < 0 or self.max_queued_messages < 0:
             raise ValueError("max_queued_bytes and max_queued_messages must be >= 0")
 
@@ -103,6 +114,7 @@ class PeerStats:
     buffers_borrowed: int = 0  # and buffers we read from its memory
     buffers_on_loan: int = 0  # lent to it and not released yet (now, not a running count)
     shared_memory: bool = False  # messages to it go through a shared-memory ring (now)
+    buffers_bulk: int = 0  # big buffers sent to it over the bulk connection (transport/bulk.py)
 
 class PeerState(enum.Enum):
     EXPECTED = "expected"  # it will connect to us; messages wait for its HELLO

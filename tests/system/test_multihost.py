@@ -36,7 +36,8 @@ def test_workers_on_separate_hosts_and_a_stranger_on_another(hosts, tmp_path, se
     (tests/stranger.py): refused in the handshake every time, nothing runs (the marker file
     never appears), and the workers serve on and shut down cleanly. Across hosts a group
     needs a cluster secret; without one (``ZMQAUTOGRAD_INSECURE_STORE=1``, opted out of it)
-    strangers are still refused, though whoever could write the store could join."""
+    strangers are still refused, though whoever could write the store could join. Each
+    worker runs in a pid namespace of its own, as on separate machines."""
     master = f"{SUBNET}.1:29500"
     marker, serve_until = tmp_path / "marker", tmp_path / "serve-until"
     env = {**os.environ, "PYTHONPATH": ROOT, "ZQ_SERVE_UNTIL": str(serve_until)}
@@ -44,9 +45,11 @@ def test_workers_on_separate_hosts_and_a_stranger_on_another(hosts, tmp_path, se
     if secret is None:
         env["ZMQAUTOGRAD_INSECURE_STORE"] = "1"
     extra = [secret or "-", "1" if encrypt else "0"]
-    processes = [start_in(name, ["-m", "tests.netns_worker", str(rank), str(HOSTS), master, *extra], env, ROOT)
+    processes = [start_in(name, ["-m", "tests.netns_worker", str(rank), str(HOSTS), master, *extra], env, ROOT,
+                          own_pid_namespace=True)
                  for rank, name in enumerate(hosts[:HOSTS])]
-    stranger = start_in(hosts[HOSTS], ["-m", "tests.stranger", str(marker), master, str(HOSTS)], env, ROOT)
+    stranger = start_in(hosts[HOSTS], ["-m", "tests.stranger", str(marker), master, str(HOSTS)], env, ROOT,
+                        own_pid_namespace=True)
     try:
         (attack, attack_err), = outputs_of([stranger], timeout=120)
     finally:
@@ -67,4 +70,8 @@ def test_workers_on_separate_hosts_and_a_stranger_on_another(hosts, tmp_path, se
             assert address.startswith(f"tcp://{SUBNET}.{rank + 1}:"), address  # not loopback
         assert result["pickle"] == "accepted"
         assert result["seen"]["still"][0].startswith("host")  # served on after the attack
+        # Hosts apart (own pid namespaces): no lending, no rings; big tensors went sealed on
+        # the bulk connection where the group encrypts, through CurveZMQ's socket nowhere.
+        assert result["big"] and result["paths"]["lent"] == 0 and result["paths"]["rings"] == 0, result
+        assert (result["paths"]["bulk"] > 0) == encrypt, result
     assert not marker.exists()

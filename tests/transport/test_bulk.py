@@ -1,0 +1,275 @@
+"""Big buffers on the bulk connection (transport/bulk.py), sealed with AES-256-GCM: real
+endpoints on real TCP sockets, with ``bulk_same_host`` so that peers on this host use it as
+peers on other hosts do (tests/system/test_multihost.py runs it between namespaces). A relay
+between a sender and its peer's bulk listener tampers with the stream as an attacker on the
+wire would; a member with its own valid key streams what it likes."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import struct
+import threading
+
+import pytest
+import torch
+
+from zmqautograd.transport import Message, MessageType
+from zmqautograd.transport import bulk
+from zmqautograd.transport.codec import Codec
+from zmqautograd.transport.endpoint import Endpoint
+from zmqautograd.transport.peers import EndpointOptions
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.skipif(not bulk.AVAILABLE, reason="needs cryptography")]
+
+SECRET = "a cluster secret of some length"
+OPTIONS = dict(cluster_secret=SECRET, bulk_same_host=True, lend_min=0, shm_ring=0)
+
+
+def _endpoint(name: str, lost: queue.Queue | None = None, max_bytes: int | None = None, **options) -> Endpoint:
+    codec = Codec(max_message_bytes=max_bytes) if max_bytes else None
+    return Endpoint(name, "tcp://127.0.0.1:0", options=EndpointOptions(**{**OPTIONS, **options}), codec=codec,
+                    on_peer_lost=(lambda peer, error: lost.put((peer, str(error)))) if lost is not None else None)
+
+
+def _pair(*endpoints: Endpoint) -> None:
+    for one in endpoints:
+        for other in endpoints:
+            if one is not other:
+                one.add_peer(other.identity, other.address)
+
+
+def _call(sender: Endpoint, receiver: Endpoint, payload) -> Message:
+    sender.send(receiver.identity, Message(MessageType.PYTHON_CALL, 1, sender.identity, payload))
+    return receiver.recv(30)
+
+
+def _exchange_hellos(a: Endpoint, b: Endpoint) -> None:
+    """A message each way: each has had the other's HELLO (its bulk offer) by then."""
+    assert _call(a, b, ["hello"]).payload == ["hello"]
+    assert _call(b, a, ["hello"]).payload == ["hello"]
+
+
+@pytest.fixture
+def group():
+    made: list[Endpoint] = []
+
+    def make(*args, **kwargs) -> Endpoint:
+        made.append(_endpoint(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for endpoint in made:
+        endpoint.close()
+
+
+def test_big_buffers_go_sealed_over_the_bulk_connection_and_arrive_whole(group):
+    a, b = group("a"), group("b")
+    _pair(a, b)
+    odd = torch.randn(300_001)  # not a whole number of records
+    wide = torch.randn(512, 1024, dtype=torch.float64).t()  # strided, sent as it lies
+    small = torch.arange(10)
+    for sender, receiver in ((a, b), (b, a), (a, b)):  # both directions: each side's offer
+        received = _call(sender, receiver, [odd, wide, small, "x"]).payload
+        assert torch.equal(received[0], odd) and torch.equal(received[1], wide) and torch.equal(received[2], small)
+        assert received[1].stride() == wide.stride()
+    assert a.stats()["b"].buffers_bulk == 4 and b.stats()["a"].buffers_bulk == 2  # the small one went inline
+    assert a._bulk.receiver.inbox("b").held_bytes() == 0 and b._bulk.receiver.inbox("a").held_bytes() == 0
+
+
+def test_peers_on_this_host_keep_lending_and_rings():
+    a = _endpoint("a", bulk_same_host=False)
+    b = _endpoint("b", bulk_same_host=False)
+    try:
+        _pair(a, b)
+        assert torch.equal(_call(a, b, [torch.ones(1 << 18)]).payload[0], torch.ones(1 << 18))
+        assert a.stats()["b"].buffers_bulk == 0
+    finally:
+        a.close()
+        b.close()
+
+
+# ------------------------------------------------------------------ an attacker on the wire
+
+
+class Relay:
+    """A TCP relay from a sender to a bulk listener that parses the records going through
+    and does ``mode`` to them: flip a byte, drop, replay, reorder or inject a record, or cut
+    the stream in the middle of one."""
+
+    def __init__(self, target: tuple[str, int], mode: str):
+        self.target, self.mode = target, mode
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        incoming, _ = self.listener.accept()
+        outgoing = socket.create_connection(self.target)
+        try:
+            outgoing.sendall(_exactly(incoming, len(bulk.MAGIC) + bulk.ID_BYTES))
+            records = []
+            for _ in range(3):
+                header = _exactly(incoming, bulk.HEADER_BYTES)
+                length = struct.unpack(">QQI", header)[2]
+                records.append(header + _exactly(incoming, length + bulk.TAG_BYTES))
+            first, second, third = records
+            if self.mode == "flip":
+                second = second[:100] + bytes([second[100] ^ 1]) + second[101:]
+                out = [first, second, third]
+            elif self.mode == "drop":
+                out = [first, third]
+            elif self.mode == "replay":
+                out = [first, first, second, third]
+            elif self.mode == "reorder":
+                out = [first, third, second]
+            elif self.mode == "inject":
+                out = [first, second[:bulk.HEADER_BYTES] + os.urandom(len(second) - bulk.HEADER_BYTES), second, third]
+            else:  # "cut"
+                out = [first, second[: len(second) // 2]]
+            for record in out:
+                outgoing.sendall(record)
+            if self.mode == "cut":
+                outgoing.close()
+                return
+            while data := incoming.recv(1 << 16):
+                outgoing.sendall(data)
+        except OSError:
+            pass
+        finally:
+            outgoing.close()
+            incoming.close()
+
+
+def _exactly(sock: socket.socket, nbytes: int) -> bytes:
+    data = b""
+    while len(data) < nbytes:
+        chunk = sock.recv(nbytes - len(data))
+        if not chunk:
+            raise OSError("closed")
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("mode", ["flip", "drop", "replay", "reorder", "inject", "cut"])
+def test_a_tampered_stream_is_detected_named_and_nothing_wrong_is_delivered(group, mode):
+    lost_at_b: queue.Queue = queue.Queue()
+    a, b, c = group("a"), group("b", lost_at_b), group("c")
+    _pair(a, b, c)
+    _exchange_hellos(a, b)
+    address, key, connection_id = a._bulk._offers["b"]
+    relay = Relay(address, mode)
+    a._bulk._offers["b"] = (relay.address, key, connection_id)
+    big = torch.randn(1 << 19)  # 2 MiB: eight records
+    a.send("b", Message(MessageType.PYTHON_CALL, 2, "a", [big]))
+    peer, reason = lost_at_b.get(timeout=30)
+    assert peer == "a"
+    expected = "in the middle" if mode == "cut" else "failed authentication"
+    assert expected in reason and "'a'" in reason, reason
+    with pytest.raises(TimeoutError):
+        b.recv(0.5)  # nothing of it was delivered
+    assert torch.equal(_call(c, b, [big]).payload[0], big)  # the rest of the group works on
+    assert b._bulk.receiver.inbox("c").held_bytes() == 0
+
+
+def _closed_on(sock: socket.socket) -> bool:
+    """Whether the other end closed the connection (reset, where our bytes were unread)."""
+    sock.settimeout(30)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_stranger_and_a_wrong_key_get_nothing(group):
+    lost_at_b: queue.Queue = queue.Queue()
+    a, b = group("a"), group("b", lost_at_b)
+    _pair(a, b)
+    _exchange_hellos(a, b)
+    address, key, connection_id = a._bulk._offers["b"]
+    with socket.create_connection(address) as stranger:  # an id of nobody's
+        stranger.sendall(bulk.MAGIC + os.urandom(bulk.ID_BYTES) + os.urandom(4096))
+        assert _closed_on(stranger)
+    assert b._bulk.receiver.refused == 1
+    assert lost_at_b.empty()
+    # a's id without a's key (an id seen, the key not): the first record fails to open.
+    a._bulk._offers["b"] = (address, os.urandom(bulk.KEY_BYTES), connection_id)
+    a.send("b", Message(MessageType.PYTHON_CALL, 2, "a", [torch.ones(1 << 18)]))
+    peer, reason = lost_at_b.get(timeout=30)
+    assert peer == "a" and "failed authentication" in reason
+    # The id was single-use: taken by that connection, nobody can open another with it.
+    with socket.create_connection(address) as again:
+        again.sendall(bulk.MAGIC + connection_id)
+        assert _closed_on(again)
+    assert b._bulk.receiver.refused == 2
+
+
+# ------------------------------------------------------------------ a member that floods
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _records(key: bytes, transfer_id: int, total: int, counter: int) -> tuple[bytes, int]:
+    aead = bulk.AESGCM(key)
+    out, offset = b"", 0
+    while offset < total:
+        length = min(bulk.RECORD_BYTES, total - offset)
+        header = struct.pack(">QQI", transfer_id, total, length)
+        out += header + aead.encrypt(bulk._nonce(counter), bytes(length), header)
+        counter, offset = counter + 1, offset + length
+    return out, counter
+
+
+def test_a_member_streaming_what_no_message_takes_is_bounded_then_freed(group):
+    """A member with its own valid key streams transfers that no message names, at a worker
+    whose max_message_bytes is 1 MiB: the worker holds at most two messages' worth (the
+    window), its RSS grows by a few MiB, the member is pushed back (its writes block), and
+    what it held is let go when it goes."""
+    lost_at_b: queue.Queue = queue.Queue()
+    a, b = group("a"), group("b", lost_at_b, max_bytes=1 << 20)
+    _pair(a, b)
+    _exchange_hellos(a, b)
+    address, key, connection_id = a._bulk._offers["b"]
+    a._bulk._offers.pop("b")  # a's own traffic stays off it: this test speaks for a
+    inbox = b._bulk.receiver.inbox("a")
+    before = _rss()
+    flood = socket.create_connection(address)
+    flood.sendall(bulk.MAGIC + connection_id)
+    flood.settimeout(5)
+    counter, sent, pushed_back = 0, 0, False
+    for transfer_id in range(1, 257):  # up to 256 MiB
+        records, counter = _records(key, transfer_id, 1 << 20, counter)
+        try:
+            flood.sendall(records)
+        except TimeoutError:
+            pushed_back = True
+            break
+        sent += 1
+    assert pushed_back, f"{sent} MiB went in without back-pressure"
+    during = _rss()
+    assert inbox.held_bytes() <= inbox.window == 2 << 20
+    assert during - before < 24 << 20, f"RSS grew {(during - before) >> 20} MiB"
+    a.close()  # the member goes (its flood still unread: TCP holds its end open till then)
+    peer, reason = lost_at_b.get(timeout=30)
+    assert peer == "a"
+    assert inbox.held_bytes() == 0 and inbox._transfers == {}  # what it held is let go
+    flood.close()
+
+
+def test_a_transfer_over_the_limit_is_refused_before_anything_is_allocated(group):
+    lost_at_b: queue.Queue = queue.Queue()
+    a, b = group("a"), group("b", lost_at_b, max_bytes=1 << 20)
+    _pair(a, b)
+    _exchange_hellos(a, b)
+    address, key, connection_id = a._bulk._offers["b"]
+    with socket.create_connection(address) as member:
+        header = struct.pack(">QQI", 1, 1 << 40, bulk.RECORD_BYTES)
+        member.sendall(bulk.MAGIC + connection_id + header)
+        peer, reason = lost_at_b.get(timeout=30)
+    assert peer == "a" and "the limit is 1048576" in reason
+    assert b._bulk.receiver.inbox("a") is None  # forgotten with the peer
