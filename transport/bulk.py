@@ -267,6 +267,7 @@ class BulkInbox:
     def take(self, transfer_id: int) -> memoryview:
         """The bytes of a named transfer, once all arrived (waiting for them). Raises
         BulkError if the connection breaks or brings nothing for ``silence`` seconds."""
+        began = time.monotonic()
         with self._changed:
             transfer = self._transfers.get(transfer_id)
             while True:
@@ -275,22 +276,37 @@ class BulkInbox:
                 if transfer.error is not None:
                     self._drop_locked(transfer)
                     raise BulkError(transfer.error)
-                if transfer.view is not None and transfer.received == transfer.nbytes:
-                    break
+                view = transfer.view
+                if view is not None and transfer.received == transfer.nbytes:
+                    del self._transfers[transfer_id]
+                    self._held -= transfer.nbytes
+                    self._changed.notify_all()  # a reader may wait for room
+                    return view
                 if self.error is not None:
                     self._drop_locked(transfer)
                     raise BulkError(self.error)
-                waited = time.monotonic() - self._progress
+                waited = time.monotonic() - max(self._progress, began)  # (an idle link made none)
                 if waited > self._silence:
-                    self._drop_locked(transfer)
-                    raise BulkError(f"no bulk data from {self.peer!r} for {waited:.0f} s: transfer {transfer_id} "
-                                    f"has {transfer.received} of {transfer.nbytes} bytes")
+                    reason = (f"no bulk data from {self.peer!r} for {waited:.0f} s: transfer {transfer_id} has "
+                              f"{transfer.received} of {transfer.nbytes} bytes")
+                    break
                 self._changed.wait(min(1.0, self._silence))
-            del self._transfers[transfer_id]
-            self._held -= transfer.nbytes
-            self._changed.notify_all()  # a reader may wait for room
-            view = transfer.view
-        return view
+        # The connection is stuck mid-transfer: nothing after it can come either. Cut it;
+        # its reader then reports the peer lost, with this reason.
+        self.fail(reason)
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        raise BulkError(reason)
+
+    def arrived(self, transfer_id: int) -> bool:
+        """Whether all of ``transfer_id`` is here (``take`` would not wait)."""
+        with self._changed:
+            transfer = self._transfers.get(transfer_id)
+            return transfer is not None and transfer.view is not None and transfer.received == transfer.nbytes
 
     def drop(self, transfer_id: int) -> None:
         """A message that named ``transfer_id`` went unread: its bytes are not needed."""
@@ -474,7 +490,7 @@ class BulkReceiver:
         except BulkError as exc:
             reason = str(exc)
         except (OSError, EOFError) as exc:
-            reason = f"the bulk connection from {inbox.peer!r} ({where}) broke: {exc}"
+            reason = inbox.error or f"the bulk connection from {inbox.peer!r} ({where}) broke: {exc}"
         finally:
             sock.close()
         if reason is not None:
@@ -569,13 +585,14 @@ class BulkFrame:
     never read gives its transfer up when dropped. ``len()`` is the transfer's size, so
     message size limits count it."""
 
-    __slots__ = ("_inbox", "_transfer_id", "_nbytes", "_view")
+    __slots__ = ("_inbox", "_transfer_id", "_nbytes", "_view", "_before_wait")
 
-    def __init__(self, inbox: BulkInbox, transfer_id: int, nbytes: int):
+    def __init__(self, inbox: BulkInbox, transfer_id: int, nbytes: int, before_wait: Callable[[], None]):
         self._inbox: BulkInbox | None = inbox
         self._transfer_id = transfer_id
         self._nbytes = nbytes
         self._view: memoryview | None = None
+        self._before_wait = before_wait
 
     def __len__(self) -> int:
         return self._nbytes
@@ -586,6 +603,8 @@ class BulkFrame:
             inbox, self._inbox = self._inbox, None
             if inbox is None:
                 raise BulkError(f"bulk transfer {self._transfer_id} could not be read")
+            if not inbox.arrived(self._transfer_id):
+                self._before_wait()  # (not under the inbox's lock: it takes the socket lock)
             self._view = inbox.take(self._transfer_id)
         return self._view
 
@@ -627,7 +646,8 @@ class BulkLinks:
     the callbacks: ``on_broken(peer, reason)`` comes from a bulk thread."""
 
     def __init__(self, host: str, min_bytes: int, window: int, max_bytes: int, silence: float,
-                 pool: BufferPool | None, same_host: bool, on_broken: Callable[[str, str], None]):
+                 pool: BufferPool | None, same_host: bool, on_broken: Callable[[str, str], None],
+                 before_wait: Callable[[], None]):
         self.min_bytes = min_bytes
         self._window = window
         self._max_bytes = max_bytes
@@ -635,6 +655,9 @@ class BulkLinks:
         self._pool = pool
         self._same_host = same_host
         self._on_broken = on_broken
+        # Called by a thread about to wait for bytes still on their way: one that watches
+        # the endpoint's socket hands that over first (a wait may last peer_timeout).
+        self._before_wait = before_wait
         self._host = host_identity()
         self.receiver = BulkReceiver(host, on_broken)
         self._offers: dict[str, tuple[tuple[str, int], bytes, bytes]] = {}
@@ -702,7 +725,7 @@ class BulkLinks:
         if inbox is None:
             raise RemoteProtocolError(f"{peer!r} named a bulk transfer, but we offered it no bulk connection")
         inbox.name(transfer_id, nbytes)
-        return BulkFrame(inbox, transfer_id, nbytes)
+        return BulkFrame(inbox, transfer_id, nbytes, self._before_wait)
 
     def forget(self, peer: str, reason: str) -> None:
         """``peer`` is lost: its connections go, what was queued for it is dropped."""

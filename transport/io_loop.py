@@ -214,7 +214,8 @@ class IoThread:
         pool = staging.plain_pool(options.lend_cache, 1 << 16) if options.lend_cache else None
         try:
             return bulk.BulkLinks(host, options.bulk_min, options.bulk_window, self.codec.max_message_bytes,
-                                  options.peer_timeout, pool, options.bulk_same_host, self._bulk_broken)
+                                  options.peer_timeout, pool, options.bulk_same_host, self._bulk_broken,
+                                  self._stop_reading_here)
         except OSError as exc:
             log.warning("endpoint %s: no bulk listener on %s (%s): big buffers go through the socket",
                         self.identity, host, exc)

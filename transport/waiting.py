@@ -125,6 +125,23 @@ class WaitingThreads:
                 self._move_reading_role(waiter)
             return True, token
 
+    def _stop_reading_here(self: Endpoint) -> None:
+        """The calling thread is about to block outside a wait (a frame waiting for bytes
+        still on their way: transport/bulk.py): if it watches the ROUTER, the I/O thread
+        takes that over, so that the endpoint receives meanwhile (heartbeats included)."""
+        reading = self._reading_waiter
+        if reading is None:
+            return
+        mine = reading is getattr(self._thread_local, "waiter", None) or (
+            reading is self._dispatch_waiter and threading.current_thread() is self._dispatch_thread)
+        if not mine:
+            return
+        with self._socket_lock:
+            if self._reading_waiter is reading and self._router_open:
+                self._move_reading_role(None)
+        with self._lock:
+            self._wake_io_locked()  # what the waiter's descriptors saw last is the I/O thread's now
+
     def _end_answer_wait(self: Endpoint, token: object) -> None:
         del self._answer_waits[token]  # (no lock: see _take_reading_role)
 

@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 
+from tests.conftest import poll_until
 from zmqautograd.transport import Message, MessageType
 from zmqautograd.transport import bulk
 from zmqautograd.transport.codec import Codec
@@ -27,10 +28,13 @@ SECRET = "a cluster secret of some length"
 OPTIONS = dict(cluster_secret=SECRET, bulk_same_host=True, lend_min=0, shm_ring=0)
 
 
-def _endpoint(name: str, lost: queue.Queue | None = None, max_bytes: int | None = None, **options) -> Endpoint:
+def _endpoint(name: str, lost: queue.Queue | None = None, max_bytes: int | None = None,
+              rejected: queue.Queue | None = None, **options) -> Endpoint:
     codec = Codec(max_message_bytes=max_bytes) if max_bytes else None
     return Endpoint(name, "tcp://127.0.0.1:0", options=EndpointOptions(**{**OPTIONS, **options}), codec=codec,
-                    on_peer_lost=(lambda peer, error: lost.put((peer, str(error)))) if lost is not None else None)
+                    on_peer_lost=(lambda peer, error: lost.put((peer, str(error)))) if lost is not None else None,
+                    on_send_error=(lambda peer, message_id, error: rejected.put((peer, message_id, str(error))))
+                    if rejected is not None else None)
 
 
 def _pair(*endpoints: Endpoint) -> None:
@@ -100,6 +104,7 @@ class Relay:
 
     def __init__(self, target: tuple[str, int], mode: str):
         self.target, self.mode = target, mode
+        self.release = threading.Event()  # "stall": when to let go of the connection
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -107,6 +112,7 @@ class Relay:
 
     def _run(self) -> None:
         incoming, _ = self.listener.accept()
+        self.listener.close()
         outgoing = socket.create_connection(self.target)
         try:
             outgoing.sendall(_exactly(incoming, len(bulk.MAGIC) + bulk.ID_BYTES))
@@ -125,6 +131,8 @@ class Relay:
                 out = [first, first, second, third]
             elif self.mode == "reorder":
                 out = [first, third, second]
+            elif self.mode == "stall":
+                out = [first, second]  # and then nothing, the connection held open
             elif self.mode == "inject":
                 out = [first, second[:bulk.HEADER_BYTES] + os.urandom(len(second) - bulk.HEADER_BYTES), second, third]
             else:  # "cut"
@@ -133,6 +141,9 @@ class Relay:
                 outgoing.sendall(record)
             if self.mode == "cut":
                 outgoing.close()
+                return
+            if self.mode == "stall":
+                self.release.wait(60)
                 return
             while data := incoming.recv(1 << 16):
                 outgoing.sendall(data)
@@ -273,3 +284,73 @@ def test_a_transfer_over_the_limit_is_refused_before_anything_is_allocated(group
         peer, reason = lost_at_b.get(timeout=30)
     assert peer == "a" and "the limit is 1048576" in reason
     assert b._bulk.receiver.inbox("a") is None  # forgotten with the peer
+
+
+def test_a_peer_that_stalls_half_way_fails_the_message_it_holds_up(group):
+    """The sender's bytes stop in the middle of a tensor (a relay holds them), its messages
+    and heartbeats still come: the message fails after peer_timeout with an error that says
+    so, at the receiver and at the sender, and the stuck connection is cut (the peer lost,
+    for that reason); the receiver serves the others on."""
+    rejected_at_a: queue.Queue = queue.Queue()
+    lost_at_b: queue.Queue = queue.Queue()
+    a = group("a", rejected=rejected_at_a, peer_timeout=3.0, heartbeat_interval=0.5)
+    b = group("b", lost_at_b, peer_timeout=3.0, heartbeat_interval=0.5)
+    c = group("c")
+    _pair(a, b, c)
+    _exchange_hellos(a, b)
+    address, key, connection_id = a._bulk._offers["b"]
+    relay = Relay(address, "stall")
+    a._bulk._offers["b"] = (relay.address, key, connection_id)
+    try:
+        big = torch.randn(1 << 19)
+        a.send("b", Message(MessageType.PYTHON_CALL, 7, "a", [big]))
+        with pytest.raises(TimeoutError):
+            b.recv(10)  # decodes it, waits for its bytes, fails it: nothing delivered
+        peer, message_id, error = rejected_at_a.get(timeout=30)
+        assert (peer, message_id) == ("b", 7) and "no bulk data from 'a'" in error, error
+        peer, reason = lost_at_b.get(timeout=30)
+        assert peer == "a" and "no bulk data from 'a'" in reason, reason
+        assert torch.equal(_call(c, b, [big]).payload[0], big)
+    finally:
+        relay.release.set()
+
+
+def _open_sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass  # (the listing's own descriptor, closed by now)
+    return count
+
+
+def test_nothing_is_left_after_the_attacks():
+    """Sockets and threads after a round of a tamper, a stranger and traffic around them,
+    once the endpoints close: what there was before (the endpoints' waiting-thread
+    descriptors go with the endpoint objects, as before the bulk connection)."""
+    for warm_up in (True, False):  # the first round loads what stays loaded (imports, pools)
+        before_sockets, before_threads = _open_sockets(), threading.active_count()
+        lost: queue.Queue = queue.Queue()
+        a, b, c = _endpoint("a"), _endpoint("b", lost), _endpoint("c")
+        try:
+            _pair(a, b, c)
+            _exchange_hellos(a, b)
+            _exchange_hellos(c, b)
+            address, key, connection_id = a._bulk._offers["b"]
+            with socket.create_connection(address) as stranger:
+                stranger.sendall(bulk.MAGIC + os.urandom(bulk.ID_BYTES))
+                assert _closed_on(stranger)
+            relay = Relay(address, "flip")
+            a._bulk._offers["b"] = (relay.address, key, connection_id)
+            a.send("b", Message(MessageType.PYTHON_CALL, 2, "a", [torch.randn(1 << 19)]))
+            assert lost.get(timeout=30)[0] == "a"
+            relay.thread.join(30)
+            assert torch.equal(_call(c, b, [torch.ones(1 << 19)]).payload[0], torch.ones(1 << 19))
+        finally:
+            for endpoint in (a, b, c):
+                endpoint.close()
+        if not warm_up:
+            poll_until(lambda threads=before_threads: threading.active_count() <= threads, 10, "bulk threads to end")
+            assert not [t.name for t in threading.enumerate() if t.name.startswith("zmq-bulk")]
+            poll_until(lambda sockets=before_sockets: _open_sockets() <= sockets, 10, "sockets to close")
