@@ -147,6 +147,9 @@ class BulkSender:
             except OSError:
                 pass
 
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
     def _run(self) -> None:
         try:
             sock = socket.create_connection(self._address, timeout=self._connect_timeout)
@@ -404,6 +407,8 @@ class BulkReceiver:
         self._by_id: dict[bytes, BulkInbox] = {}
         self._inboxes: dict[str, BulkInbox] = {}
         self._closed = False
+        self._readers: list[threading.Thread] = []
+        self._connections: set[socket.socket] = set()  # accepted, until their reader ends
         self.refused = 0
         self._thread = threading.Thread(target=self._accept, name="zmq-bulk-listen", daemon=True)
         self._thread.start()
@@ -455,6 +460,17 @@ class BulkReceiver:
         self._thread.join(5.0)
         for inbox in inboxes:
             self._close_inbox(inbox, "the endpoint closed")
+        with self._lock:
+            connections, readers = list(self._connections), list(self._readers)
+        for sock in connections:  # (those of no inbox: not named yet, or of a replaced one)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        # Joined, not left running: a daemon thread still in OpenSSL when the interpreter
+        # exits is one more thing that can crash it.
+        for reader in readers:
+            reader.join(5.0)
 
     def _accept(self) -> None:
         while True:
@@ -465,7 +481,12 @@ class BulkReceiver:
             if self._closed:
                 sock.close()
                 return
-            threading.Thread(target=self._serve, args=(sock, address), name="zmq-bulk-in", daemon=True).start()
+            reader = threading.Thread(target=self._serve, args=(sock, address), name="zmq-bulk-in", daemon=True)
+            with self._lock:
+                self._readers = [r for r in self._readers if r.is_alive()]
+                self._readers.append(reader)
+                self._connections.add(sock)
+            reader.start()
 
     def _serve(self, sock: socket.socket, address: Any) -> None:
         where = f"{address[0]}:{address[1]}"
@@ -479,6 +500,8 @@ class BulkReceiver:
         if inbox is None:
             self.refused += 1
             log.warning("bulk: refused a connection from %s: no connection id of ours", where)
+            with self._lock:
+                self._connections.discard(sock)
             sock.close()
             return
         inbox.sock = inbox.sock or sock
@@ -492,6 +515,8 @@ class BulkReceiver:
         except (OSError, EOFError) as exc:
             reason = inbox.error or f"the bulk connection from {inbox.peer!r} ({where}) broke: {exc}"
         finally:
+            with self._lock:
+                self._connections.discard(sock)
             sock.close()
         if reason is not None:
             inbox.fail(reason)
@@ -739,6 +764,8 @@ class BulkLinks:
         deadline = time.monotonic() + linger
         for sender in self._senders.values():
             sender.close(deadline)
+        for sender in self._senders.values():
+            sender.join(5.0)
         self._senders.clear()
         self._offers.clear()
         self.receiver.close()
