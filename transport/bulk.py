@@ -79,7 +79,12 @@ HEADER_BYTES = _HEADER.size
 # seals the next while the receiver opens the last); each costs a few Python calls a side.
 RECORD_BYTES = 256 << 10
 DEFAULT_BULK_MIN = 256 << 10
-PREAMBLE_TIMEOUT = 10.0  # a connection must name itself within this
+# Smaller buffers are copied into their message (never zero-copy); a receiver refuses smaller
+# transfers: answers that small are decoded under the socket lock, where nothing may wait.
+MIN_BULK_BYTES = 64 << 10
+PREAMBLE_TIMEOUT = 10.0  # a connection must name itself within this, in all
+MAX_UNNAMED_CONNECTIONS = 64  # accepted connections that have not named themselves yet, at most
+MAX_UNNAMED_TRANSFERS = 256  # per peer: transfers that arrived and no message named yet, at most
 
 
 def new_secrets() -> tuple[bytes, bytes]:
@@ -99,17 +104,20 @@ class BulkError(RemoteProtocolError):
 
 
 class BulkSender:
-    """Our bulk connection to one peer: one thread owns its socket, seals the queued buffers
-    record by record and writes them, in the order queued (the order of the messages that
-    name them). ``on_broken(reason)`` once if it fails (it cannot connect, or the
-    connection breaks); what is queued then is dropped."""
+    """Our bulk connection to one peer: one thread owns its socket. It connects at once;
+    ``connected`` is set once it did (until then, and for good if it cannot, big buffers
+    go through the socket: ``unusable`` says why). Then it seals the queued buffers record
+    by record and writes them, in the order queued (the order of the messages that name
+    them). ``on_broken(self, reason)`` once if the connection breaks; what is queued then
+    is dropped."""
 
     def __init__(self, peer: str, address: tuple[str, int], key: bytes, connection_id: bytes,
-                 on_broken: Callable[[str], None], connect_timeout: float):
+                 on_broken: Callable[[BulkSender, str], None], connect_timeout: float):
         self.peer = peer
         self._address = address
         self._aead = AESGCM(key)
-        self._id = connection_id
+        self.key = key
+        self.connection_id = self._id = connection_id
         self._on_broken = on_broken
         self._connect_timeout = connect_timeout
         self._queue: deque = deque()
@@ -119,6 +127,8 @@ class BulkSender:
         self.queued_bytes = 0
         self._ids = itertools.count(1)
         self._sock: socket.socket | None = None
+        self.connected = threading.Event()
+        self.unusable: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"zmq-bulk-to-{peer}", daemon=True)
         self._thread.start()
 
@@ -151,20 +161,25 @@ class BulkSender:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        where = f"{self._address[0]}:{self._address[1]}"
         try:
             sock = socket.create_connection(self._address, timeout=self._connect_timeout)
-        except OSError as exc:
-            self._broken(f"cannot open the bulk connection to {self._address[0]}:{self._address[1]}: {exc}")
-            return
-        self._sock = sock
-        try:
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(MAGIC + self._id)
-            self._write_queued(sock)
         except OSError as exc:
+            # A firewall that lets only the socket's port through, an address we cannot
+            # reach: big buffers to this peer go through the socket, as before.
+            self.unusable = f"cannot open the bulk connection to {where}: {exc}"
+            log.warning("bulk: %s: %s; its big buffers go through the socket", self.peer, self.unusable)
+            return
+        self._sock = sock
+        self.connected.set()
+        try:
+            self._write_queued(sock)
+        except Exception as exc:  # OSError mostly; anything else must not end the thread unsaid
             if not self._closing:
-                self._broken(f"the bulk connection to {self._address[0]}:{self._address[1]} broke: {exc}")
+                self._broken(f"the bulk connection to {where} broke: {exc}")
         finally:
             sock.close()
 
@@ -201,7 +216,7 @@ class BulkSender:
             self._queue.clear()
             self.queued_bytes = 0
         log.warning("bulk: %s: %s", self.peer, reason)
-        self._on_broken(reason)
+        self._on_broken(self, reason)
 
 
 # ------------------------------------------------------------------------------ receiving
@@ -236,9 +251,15 @@ class BulkInbox:
         self.window = max(min(window, 2 * max_bytes), max_bytes)
         self._pool = pool
         self._silence = silence
-        self._changed = threading.Condition(threading.Lock())
+        # Reentrant: a BulkFrame collected (a cycle) on a thread inside this lock drops its
+        # transfer through it.
+        self._changed = threading.Condition(threading.RLock())
         self._transfers: dict[int, _Transfer] = {}
         self._held = 0  # bytes of transfers allocated and not yet handed to a decoder
+        self._unnamed = 0  # of those, transfers no message named yet
+        # Called once when the link must be given up without a reader to say so (silence
+        # before any connection): set by the receiver.
+        self.on_silent: Callable[[str], None] | None = None
         self._last_arrived = 0  # the highest transfer id the connection started
         self._named_upto = 0  # the highest transfer id a message named
         self._progress = time.monotonic()
@@ -263,6 +284,9 @@ class BulkInbox:
             elif transfer.nbytes != nbytes:
                 raise RemoteProtocolError(f"bulk transfer {transfer_id} from {self.peer!r} is {transfer.nbytes} bytes, "
                                           f"its message says {nbytes}")
+            elif transfer.view is not None:
+                self._unnamed -= 1
+                self._changed.notify_all()
             transfer.taken = True
 
     # --- the decoding thread
@@ -303,6 +327,8 @@ class BulkInbox:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        elif self.on_silent is not None:
+            self.on_silent(reason)  # never connected: no reader will say it
         raise BulkError(reason)
 
     def arrived(self, transfer_id: int) -> bool:
@@ -321,6 +347,8 @@ class BulkInbox:
     def _drop_locked(self, transfer: _Transfer) -> None:
         if self._transfers.pop(transfer.transfer_id, None) is not None and transfer.view is not None:
             self._held -= transfer.nbytes
+            if not transfer.taken:
+                self._unnamed -= 1
             self._changed.notify_all()
         transfer.view = None
         transfer.block = None
@@ -331,9 +359,9 @@ class BulkInbox:
         """A transfer's first record arrived: the transfer to fill (None: drop its bytes).
         Waits for room under the window first: the peer waits with it (unless it hangs up:
         ``hung_up``, then BulkError)."""
-        if not 0 < total <= self.max_bytes:
-            raise BulkError(f"bulk transfer {transfer_id} from {self.peer!r} of {total} bytes: "
-                            f"the limit is {self.max_bytes} (max_message_bytes)")
+        if not MIN_BULK_BYTES <= total <= self.max_bytes:
+            raise BulkError(f"bulk transfer {transfer_id} from {self.peer!r} of {total} bytes: the limits are "
+                            f"{MIN_BULK_BYTES} and {self.max_bytes} (max_message_bytes)")
         if transfer_id <= self._last_arrived:
             raise BulkError(f"bulk transfer {transfer_id} from {self.peer!r} after transfer {self._last_arrived}")
         with self._changed:
@@ -344,13 +372,22 @@ class BulkInbox:
             if transfer is not None and transfer.nbytes != total:
                 raise BulkError(f"bulk transfer {transfer_id} from {self.peer!r} is {total} bytes, its message says "
                                 f"{transfer.nbytes}")
-            while self._held + total > self.window and self.error is None:
+            # Room: bytes under the window (a pool block is at most twice what it holds), and
+            # a bounded number of transfers that no message named.
+            while self.error is None and (self._held + total > self.window or (
+                    transfer is None and self._unnamed >= MAX_UNNAMED_TRANSFERS)):
+                self._progress = time.monotonic()  # pushed back, not silent
                 if not self._changed.wait(0.5) and hung_up():
                     raise EOFError(f"the peer closed it in the middle of transfer {transfer_id}")
+                transfer = self._transfers.get(transfer_id)
             if self.error is not None:
                 return None
             if transfer is None:
+                if transfer_id <= self._named_upto:
+                    return None  # named and dropped while we waited
                 transfer = self._transfers[transfer_id] = _Transfer(transfer_id, total)
+            if not transfer.taken:
+                self._unnamed += 1
             transfer.block, transfer.view = self._allocate(total)
             self._held += total
             return transfer
@@ -396,9 +433,11 @@ class BulkInbox:
 class BulkReceiver:
     """Our bulk listener: one thread accepts connections, and each connection, once it names
     the inbox it was given (its connection id, once), gets a reader thread of its own.
-    ``on_broken(peer, reason)`` when a peer's connection fails."""
+    ``on_broken(inbox, reason)`` when a peer's connection fails. Connections that have not
+    named themselves are bounded (MAX_UNNAMED_CONNECTIONS, PREAMBLE_TIMEOUT in all): a
+    stranger holds no more than that."""
 
-    def __init__(self, host: str, on_broken: Callable[[str, str], None]):
+    def __init__(self, host: str, on_broken: Callable[[BulkInbox, str], None]):
         self._on_broken = on_broken
         self._listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                               backlog=64)
@@ -409,6 +448,7 @@ class BulkReceiver:
         self._closed = False
         self._readers: list[threading.Thread] = []
         self._connections: set[socket.socket] = set()  # accepted, until their reader ends
+        self._unnamed = 0  # accepted connections still to name themselves
         self.refused = 0
         self._thread = threading.Thread(target=self._accept, name="zmq-bulk-listen", daemon=True)
         self._thread.start()
@@ -418,10 +458,13 @@ class BulkReceiver:
         that peer is closed."""
         key, connection_id = new_secrets()
         inbox = BulkInbox(peer, key, connection_id, max_bytes, window, pool, silence)
+        inbox.on_silent = lambda reason: self._report(inbox, reason)
         with self._lock:
             old = self._inboxes.get(peer)
             self._inboxes[peer] = inbox
             self._by_id[connection_id] = inbox
+            if old is not None:
+                self._by_id.pop(old.connection_id, None)
         if old is not None:
             self._close_inbox(old, f"{peer!r} connected again")
         return inbox
@@ -448,6 +491,8 @@ class BulkReceiver:
 
     def close(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             inboxes = list(self._inboxes.values())
             self._inboxes.clear()
@@ -473,56 +518,87 @@ class BulkReceiver:
             reader.join(5.0)
 
     def _accept(self) -> None:
-        while True:
+        failures = 0
+        while not self._closed:
             try:
                 sock, address = self._listener.accept()
-            except OSError:
-                return  # closed
-            if self._closed:
-                sock.close()
-                return
+            except OSError as exc:
+                if self._closed:
+                    return
+                # Out of descriptors (EMFILE), an aborted connection: try again, not too fast.
+                failures += 1
+                if failures & (failures - 1) == 0:
+                    log.warning("bulk: accepting a connection failed (%d so far): %s", failures, exc)
+                time.sleep(0.05)
+                continue
+            with self._lock:
+                crowded = self._unnamed >= MAX_UNNAMED_CONNECTIONS or self._closed
+                if not crowded:
+                    self._unnamed += 1
+                    self._connections.add(sock)
+            if crowded:
+                self._refuse(sock, f"{address[0]}:{address[1]}", "too many connections naming themselves")
+                continue
             reader = threading.Thread(target=self._serve, args=(sock, address), name="zmq-bulk-in", daemon=True)
+            try:
+                reader.start()
+            except RuntimeError as exc:  # no thread to be had (a pids limit)
+                with self._lock:
+                    self._unnamed -= 1
+                    self._connections.discard(sock)
+                self._refuse(sock, f"{address[0]}:{address[1]}", f"no thread for it: {exc}")
+                continue
             with self._lock:
                 self._readers = [r for r in self._readers if r.is_alive()]
                 self._readers.append(reader)
-                self._connections.add(sock)
-            reader.start()
+
+    def _refuse(self, sock: socket.socket, where: str, why: str) -> None:
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th...: a flood logs a few lines
+            log.warning("bulk: refused a connection from %s (%d so far): %s", where, self.refused, why)
+        sock.close()
 
     def _serve(self, sock: socket.socket, address: Any) -> None:
         where = f"{address[0]}:{address[1]}"
         try:
-            sock.settimeout(PREAMBLE_TIMEOUT)
-            preamble = _read_exactly(sock, len(MAGIC) + ID_BYTES)
-        except OSError:
+            preamble = _read_by(sock, len(MAGIC) + ID_BYTES, time.monotonic() + PREAMBLE_TIMEOUT)
+        except (OSError, EOFError):
             preamble = b""
         with self._lock:
+            self._unnamed -= 1
             inbox = self._by_id.pop(preamble[len(MAGIC):], None) if preamble[:len(MAGIC)] == MAGIC else None
-        if inbox is None:
-            self.refused += 1
-            log.warning("bulk: refused a connection from %s: no connection id of ours", where)
-            with self._lock:
+            if inbox is None:
                 self._connections.discard(sock)
-            sock.close()
+        if inbox is None:
+            self._refuse(sock, where, "no connection id of ours")
             return
-        inbox.sock = inbox.sock or sock
+        inbox.sock = sock
         inbox.connected = True
+        reason: str | None
         try:
             sock.settimeout(None)
             _read_records(sock, inbox)
             reason = None
         except BulkError as exc:
             reason = str(exc)
-        except (OSError, EOFError) as exc:
+        except Exception as exc:  # OSError, EOFError; anything else must not end the thread unsaid
             reason = inbox.error or f"the bulk connection from {inbox.peer!r} ({where}) broke: {exc}"
         finally:
             with self._lock:
                 self._connections.discard(sock)
             sock.close()
-        if reason is not None:
-            inbox.fail(reason)
-            if not self._closed:
-                log.warning("bulk: %s", reason)
-                self._on_broken(inbox.peer, reason)
+        if reason is None:
+            # Closed between transfers: the peer's endpoint closes (its GOODBYE says so).
+            # Whatever waits for more of it fails now rather than after peer_timeout.
+            inbox.fail(f"{inbox.peer!r} closed its bulk connection")
+            return
+        self._report(inbox, reason)
+
+    def _report(self, inbox: BulkInbox, reason: str) -> None:
+        inbox.fail(reason)
+        if not self._closed and self._inboxes.get(inbox.peer) is inbox:  # (not a forgotten one's)
+            log.warning("bulk: %s", reason)
+            self._on_broken(inbox, reason)
 
 
 def _hung_up(sock: socket.socket) -> bool:
@@ -532,11 +608,16 @@ def _hung_up(sock: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
-def _read_exactly(sock: socket.socket, nbytes: int) -> bytes:
+def _read_by(sock: socket.socket, nbytes: int, deadline: float) -> bytes:
+    """``nbytes`` from ``sock``, all of them before ``deadline`` (monotonic)."""
     data = bytearray(nbytes)
     view = memoryview(data)
     got = 0
     while got < nbytes:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("it did not name itself in time")
+        sock.settimeout(remaining)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise EOFError("the peer closed it")
@@ -555,14 +636,16 @@ def _fill(sock: socket.socket, view: memoryview, what: str) -> None:
 
 
 def _read_records(sock: socket.socket, inbox: BulkInbox) -> None:
-    """Read, check and open records until the peer closes the connection between transfers;
-    raises BulkError (or OSError, EOFError) on anything else."""
+    """Read, check and open records until the peer closes the connection between transfers
+    (returns None); raises BulkError (or OSError, EOFError) on anything else. A transfer's
+    first record is opened before anything is allocated for it: its header is then known
+    to be the peer's."""
     open_into = AESGCM(inbox.key).decrypt_into
     scratch = bytearray(RECORD_BYTES + TAG_BYTES)
     sealed = memoryview(scratch)
     header_buffer = bytearray(HEADER_BYTES)
     header_view = memoryview(header_buffer)
-    discard = bytearray(RECORD_BYTES)
+    plain = memoryview(bytearray(RECORD_BYTES))  # a transfer's first record, and bytes nobody takes
     counter = 0
     transfer: _Transfer | None = None
     current = (0, 0)  # (transfer id, total) of the transfer being read
@@ -573,30 +656,34 @@ def _read_records(sock: socket.socket, inbox: BulkInbox) -> None:
         if first == 0:
             if offset:
                 raise EOFError(f"the peer closed it in the middle of transfer {current[0]}")
-            return
+            return None
         if first < HEADER_BYTES:
             _fill(sock, header_view[first:], "a record's header")
         inbox.progress()
         transfer_id, total, length = _HEADER.unpack(header_buffer)
         if not 0 < length <= RECORD_BYTES:
             raise BulkError(f"bulk record {counter} from {peer!r} is {length} bytes (at most {RECORD_BYTES})")
-        if offset == 0:
-            transfer = inbox.start(transfer_id, total, lambda: _hung_up(sock))
-            current = (transfer_id, total)
-        elif (transfer_id, total) != current:
+        if offset and (transfer_id, total) != current:
             raise BulkError(f"bulk record {counter} from {peer!r} belongs to transfer {transfer_id}, "
                             f"transfer {current[0]} is not complete")
         if offset + length > total:
             raise BulkError(f"bulk record {counter} from {peer!r} runs past its transfer's {total} bytes")
         _fill(sock, sealed[:length + TAG_BYTES], f"record {counter}")
-        target = transfer.view[offset:offset + length] if transfer is not None and transfer.view is not None \
-            else memoryview(discard)[:length]
+        if offset == 0 or transfer is None or transfer.view is None:
+            target = plain[:length]
+        else:
+            target = transfer.view[offset:offset + length]
         try:
             open_into(_nonce(counter), sealed[:length + TAG_BYTES], bytes(header_buffer), target)
         except Exception:  # cryptography's InvalidTag: the record is not the one we expect
             raise BulkError(f"bulk record {counter} from {peer!r} failed authentication: the connection was "
                             f"tampered with (a byte changed, dropped, replayed, reordered or injected)") from None
         counter += 1
+        if offset == 0:
+            transfer = inbox.start(transfer_id, total, lambda: _hung_up(sock))
+            current = (transfer_id, total)
+            if transfer is not None and transfer.view is not None:
+                transfer.view[:length] = target
         offset += length
         if transfer is not None:
             inbox.filled(transfer, length)
@@ -665,27 +752,30 @@ def listen_host(address: str) -> str | None:
 
 class BulkLinks:
     """An endpoint's bulk connections: our listener and the inboxes of what peers send us,
-    the peers' offers (where and how to send to them) and our senders to them.
+    and our senders to the peers that offered us theirs.
 
     Used under the endpoint's socket lock (HELLOs, sends, losses all happen there), except
-    the callbacks: ``on_broken(peer, reason)`` comes from a bulk thread."""
+    the callback: ``on_broken(peer, reason)`` comes from a bulk thread, and only for the
+    peer's current connection (never a forgotten one's, which may name a peer that has since
+    come back)."""
 
     def __init__(self, host: str, min_bytes: int, window: int, max_bytes: int, silence: float,
-                 pool: BufferPool | None, same_host: bool, on_broken: Callable[[str, str], None],
-                 before_wait: Callable[[], None]):
+                 pool: BufferPool | None, same_host: bool, connect_timeout: float,
+                 on_broken: Callable[[str, str], None], before_wait: Callable[[], None]):
         self.min_bytes = min_bytes
         self._window = window
         self._max_bytes = max_bytes
         self._silence = silence
         self._pool = pool
         self._same_host = same_host
+        self._connect_timeout = connect_timeout
         self._on_broken = on_broken
         # Called by a thread about to wait for bytes still on their way: one that watches
         # the endpoint's socket hands that over first (a wait may last peer_timeout).
         self._before_wait = before_wait
         self._host = host_identity()
-        self.receiver = BulkReceiver(host, on_broken)
-        self._offers: dict[str, tuple[tuple[str, int], bytes, bytes]] = {}
+        self._closed = False
+        self.receiver = BulkReceiver(host, self._inbox_broken)
         self._senders: dict[str, BulkSender] = {}
 
     def hello(self, peer: str) -> dict:
@@ -694,9 +784,10 @@ class BulkLinks:
         return {"port": self.receiver.address[1], "key": inbox.key, "id": inbox.connection_id, "host": self._host}
 
     def offered(self, peer: str, info: Any, peer_host: str | None) -> None:
-        """``peer``'s HELLO said how to send to it (``info``); we do for its big buffers if it
-        is on another host (or always, with ``same_host``)."""
-        if not isinstance(info, dict) or peer_host is None:
+        """``peer``'s HELLO said how to send to it (``info``): if it is on another host (or
+        always, with ``same_host``), connect to it now; its big buffers go that way once
+        connected."""
+        if not isinstance(info, dict) or peer_host is None or self._closed:
             return
         port, key, connection_id = info.get("port"), info.get("key"), info.get("id")
         if type(port) is not int or not 0 < port < 65536 or not isinstance(key, bytes) or len(key) != KEY_BYTES \
@@ -705,24 +796,28 @@ class BulkLinks:
             return
         if info.get("host") == self._host and self._host is not None and not self._same_host:
             return  # our host: lending and rings carry its big buffers
-        self._offers[peer] = ((peer_host, port), key, connection_id)
+        old = self._senders.pop(peer, None)
+        if old is not None:
+            old.close(time.monotonic())
+        self._senders[peer] = BulkSender(peer, (peer_host, port), key, connection_id, self._sender_broken,
+                                         self._connect_timeout)
 
     def uses(self, peer: str) -> bool:
-        return peer in self._offers
+        """Whether big buffers to ``peer`` go over its bulk connection now."""
+        sender = self._senders.get(peer)
+        return sender is not None and sender.connected.is_set()
 
-    def divert(self, peer: str, frames: list, connect_timeout: float) -> tuple[list, int]:
+    def divert(self, peer: str, frames: list) -> tuple[list, int]:
         """The frames of a message to ``peer`` with each buffer of at least ``min_bytes``
         queued on the bulk connection instead, behind the table naming them; and how many
         went (0: the frames unchanged)."""
         entries = []
         out = list(frames)
-        sender = None
+        sender = self._senders[peer]
         for index in range(1, len(frames)):  # frame 0 is the envelope
             frame = frames[index]
             if type(frame) is bytes or len(memoryview(frame).cast("B")) < self.min_bytes:
                 continue
-            if sender is None:
-                sender = self._sender(peer, connect_timeout)
             transfer_id, nbytes = sender.send(frame)
             entries.append([index, transfer_id, nbytes])
             out[index] = b""
@@ -730,14 +825,6 @@ class BulkLinks:
             return frames, 0
         from .lending import encode_table  # (the table format is lending's)
         return [encode_table(entries), *out], len(entries)
-
-    def _sender(self, peer: str, connect_timeout: float) -> BulkSender:
-        sender = self._senders.get(peer)
-        if sender is None:
-            address, key, connection_id = self._offers[peer]
-            sender = self._senders[peer] = BulkSender(
-                peer, address, key, connection_id, lambda reason: self._on_broken(peer, reason), connect_timeout)
-        return sender
 
     def queued_bytes(self, peer: str) -> int:
         sender = self._senders.get(peer)
@@ -749,23 +836,37 @@ class BulkLinks:
         inbox = self.receiver.inbox(peer)
         if inbox is None:
             raise RemoteProtocolError(f"{peer!r} named a bulk transfer, but we offered it no bulk connection")
+        if nbytes < MIN_BULK_BYTES:
+            raise RemoteProtocolError(f"{peer!r} named a bulk transfer of {nbytes} bytes (at least {MIN_BULK_BYTES})")
         inbox.name(transfer_id, nbytes)
         return BulkFrame(inbox, transfer_id, nbytes, self._before_wait)
 
+    def _sender_broken(self, sender: BulkSender, reason: str) -> None:
+        if not self._closed and self._senders.get(sender.peer) is sender:
+            self._on_broken(sender.peer, reason)
+
+    def _inbox_broken(self, inbox: BulkInbox, reason: str) -> None:
+        if not self._closed:
+            self._on_broken(inbox.peer, reason)
+
     def forget(self, peer: str, reason: str) -> None:
         """``peer`` is lost: its connections go, what was queued for it is dropped."""
-        self._offers.pop(peer, None)
         sender = self._senders.pop(peer, None)
         if sender is not None:
             sender.close(time.monotonic())
         self.receiver.forget(peer, reason)
 
     def close(self, linger: float) -> None:
+        """What is queued goes within ``linger`` seconds; then every connection is cut and
+        its thread joined. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         deadline = time.monotonic() + linger
-        for sender in self._senders.values():
-            sender.close(deadline)
-        for sender in self._senders.values():
-            sender.join(5.0)
+        senders = list(self._senders.values())
         self._senders.clear()
-        self._offers.clear()
+        for sender in senders:
+            sender.close(deadline)
+        for sender in senders:
+            sender.join(5.0)
         self.receiver.close()

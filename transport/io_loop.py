@@ -214,8 +214,8 @@ class IoThread:
         pool = staging.plain_pool(options.lend_cache, 1 << 16) if options.lend_cache else None
         try:
             return bulk.BulkLinks(host, options.bulk_min, options.bulk_window, self.codec.max_message_bytes,
-                                  options.peer_timeout, pool, options.bulk_same_host, self._bulk_broken,
-                                  self._stop_reading_here)
+                                  options.peer_timeout, pool, options.bulk_same_host, options.connect_timeout,
+                                  self._bulk_broken, self._stop_reading_here)
         except OSError as exc:
             log.warning("endpoint %s: no bulk listener on %s (%s): big buffers go through the socket",
                         self.identity, host, exc)
@@ -364,6 +364,8 @@ class IoThread:
                 self._start_ring(peer, ring, flags)
             elif kind == "close":
                 self._finish_rings()
+                if self._bulk is not None:
+                    self._bulk.close(self.options.close_linger)  # big buffers before the GOODBYE
                 self._say_goodbye()
                 return False
             # "releases": a reading thread queued some (_borrowed_done); they go below.
@@ -402,10 +404,11 @@ class IoThread:
                 self._bound_queued(record, record.lent_bytes)  # it may never release what it read
         elif (bulk_links := self._bulk) is not None and nbytes >= bulk_links.min_bytes and record.ring_out is None \
                 and bulk_links.uses(peer):
-            frames, diverted = bulk_links.divert(peer, frames, self.options.connect_timeout)
+            frames, diverted = bulk_links.divert(peer, frames)
             if diverted:
                 stats.buffers_bulk += diverted
                 copy = True
+                self._bound_queued(record, bulk_links.queued_bytes(peer))  # it may stop reading its link
         if record.ring_out is not None:  # a peer on this host (transport/shm.py)
             pieces = shm.encode(frames)
             if not record.unwritten and len(pieces) == 1:
@@ -529,9 +532,14 @@ class IoThread:
         except UnicodeDecodeError:
             peer = "<raw:" + routing_id.hex() + ">"
         try:
-            if len(frames) > 2 and lending.is_table(frames[1]):
+            borrowed = len(frames) > 2 and lending.is_table(frames[1])
+            if borrowed:
                 frames = self._borrow(peer, frames)
             envelope = self.codec.decode_envelope(frames[1:])
+            if borrowed and envelope.type in _CONTROL_TYPES:
+                # Decoded under the socket lock, where nothing may wait for bytes: no
+                # control message carries a buffer.
+                raise RemoteProtocolError(f"{envelope.type.name} from {peer!r} carries lent or bulk buffers")
             if envelope.sender != peer:
                 raise RemoteProtocolError(
                     f"sender field {envelope.sender!r:.60} does not match the connection's identity {peer!r}"

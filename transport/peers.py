@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from . import shm
-from .bulk import DEFAULT_BULK_MIN
+from .bulk import DEFAULT_BULK_MIN, MIN_BULK_BYTES
 from .errors import (
     PeerLostError,
 )
@@ -92,8 +92,10 @@ class EndpointOptions:
                              f"same-host peer and direction")
         if self.spin < 0:
             raise ValueError("spin must be >= 0")
-        if self.bulk_min < 0 or self.bulk_window < 0:
-            raise ValueError("bulk_min and bulk_window must be >= 0")
+        if self.bulk_min < 0 or 0 < self.bulk_min < MIN_BULK_BYTES or self.bulk_window < 0:
+            # (Smaller buffers are copied into their message; a receiver refuses smaller
+            # transfers, since the answers it decodes under its socket lock are that small.)
+            raise ValueError(f"bulk_min must be 0 (off) or at least {MIN_BULK_BYTES} bytes, and bulk_window >= 0")
         if self.max_queued_bytes < 0 or self.max_queued_messages < 0:
             raise ValueError("max_queued_bytes and max_queued_messages must be >= 0")
 
