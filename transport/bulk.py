@@ -152,10 +152,7 @@ class BulkSender:
         self._thread.join(max(0.0, deadline - time.monotonic()))
         sock = self._sock
         if self._thread.is_alive() and sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # a write blocked on a peer that does not read
-            except OSError:
-                pass
+            _shut(sock)  # a write blocked on a peer that does not read
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -320,14 +317,7 @@ class BulkInbox:
                 self._changed.wait(min(1.0, self._silence))
         # The connection is stuck mid-transfer: nothing after it can come either. Cut it;
         # its reader then reports the peer lost, with this reason.
-        self.fail(reason)
-        sock = self.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        elif self.on_silent is not None:
+        if not self.cut(reason) and self.on_silent is not None:
             self.on_silent(reason)  # never connected: no reader will say it
         raise BulkError(reason)
 
@@ -424,6 +414,15 @@ class BulkInbox:
                     self._drop_locked(transfer)
             self._changed.notify_all()
 
+    def cut(self, reason: str) -> bool:
+        """Fail everything (``fail``) and cut the connection, whose reader then ends; whether
+        there was one."""
+        self.fail(reason)
+        sock = self.sock
+        if sock is not None:
+            _shut(sock)
+        return sock is not None
+
     def held_bytes(self) -> int:
         """Bytes of transfers that arrived (or are arriving) and no decoder has taken yet."""
         with self._changed:
@@ -481,13 +480,7 @@ class BulkReceiver:
             self._close_inbox(inbox, reason)
 
     def _close_inbox(self, inbox: BulkInbox, reason: str) -> None:
-        inbox.fail(reason)
-        sock = inbox.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        inbox.cut(reason)
 
     def close(self) -> None:
         with self._lock:
@@ -497,10 +490,7 @@ class BulkReceiver:
             inboxes = list(self._inboxes.values())
             self._inboxes.clear()
             self._by_id.clear()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _shut(self._listener)
         self._listener.close()
         self._thread.join(5.0)
         for inbox in inboxes:
@@ -508,10 +498,7 @@ class BulkReceiver:
         with self._lock:
             connections, readers = list(self._connections), list(self._readers)
         for sock in connections:  # (those of no inbox: not named yet, or of a replaced one)
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(sock)
         # Joined, not left running: a daemon thread still in OpenSSL when the interpreter
         # exits is one more thing that can crash it.
         for reader in readers:
@@ -599,6 +586,14 @@ class BulkReceiver:
         if not self._closed and self._inboxes.get(inbox.peer) is inbox:  # (not a forgotten one's)
             log.warning("bulk: %s", reason)
             self._on_broken(inbox, reason)
+
+
+def _shut(sock: socket.socket) -> None:
+    """End what blocks on ``sock`` in another thread (its owner closes it)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _hung_up(sock: socket.socket) -> bool:
