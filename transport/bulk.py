@@ -70,6 +70,7 @@ except ImportError:  # pragma: no cover - a dependency; without it, big buffers 
 log = logging.getLogger(__name__)
 
 MAGIC = b"ZQBULK01"
+ACK = b"\x01"  # the listener's answer to a connection id it knows
 KEY_BYTES = 32
 ID_BYTES = 16
 TAG_BYTES = 16
@@ -85,6 +86,9 @@ MIN_BULK_BYTES = 64 << 10
 PREAMBLE_TIMEOUT = 10.0  # a connection must name itself within this, in all
 MAX_UNNAMED_CONNECTIONS = 64  # accepted connections that have not named themselves yet, at most
 MAX_UNNAMED_TRANSFERS = 256  # per peer: transfers that arrived and no message named yet, at most
+# A named transfer must come at least this fast (after a first peer_timeout): a member that
+# trickles bytes cannot hold the thread that waits for them for longer.
+FLOOR_RATE = 1 << 20  # bytes a second
 
 
 def new_secrets() -> tuple[bytes, bytes]:
@@ -161,12 +165,16 @@ class BulkSender:
         where = f"{self._address[0]}:{self._address[1]}"
         try:
             sock = socket.create_connection(self._address, timeout=self._connect_timeout)
-            sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # (NATs drop idle links)
             sock.sendall(MAGIC + self._id)
-        except OSError as exc:
+            if _read_by(sock, len(ACK), time.monotonic() + self._connect_timeout) != ACK:
+                raise OSError("the peer did not take it")
+            sock.settimeout(None)
+        except (OSError, EOFError) as exc:
             # A firewall that lets only the socket's port through, an address we cannot
-            # reach: big buffers to this peer go through the socket, as before.
+            # reach, a listener crowded by strangers: big buffers to this peer go through
+            # the socket, as before.
             self.unusable = f"cannot open the bulk connection to {where}: {exc}"
             log.warning("bulk: %s: %s; its big buffers go through the socket", self.peer, self.unusable)
             return
@@ -236,7 +244,14 @@ class BulkInbox:
     """What one peer sends us over its bulk connection: transfers by id, arriving, arrived,
     named by a message or not yet. Shared by the connection's reader thread (which fills
     transfers) and the threads that decode the messages naming them (which take them);
-    one lock, ``_changed``, guards it all."""
+    one lock, ``_changed``, guards it all, except drops from collected frames, which only
+    queue (``drop``: a collection may run inside any lock).
+
+    Bounds: transfers that no message named yet (a member can send those at will) count
+    against the window and MAX_UNNAMED_TRANSFERS; past either, the reader waits (and TCP
+    pushes the peer back). A named transfer's bytes are its message's, held as a queued
+    message's frames were on the socket, and never wait for room: so a decoder that waits
+    for one never waits on others' decoders."""
 
     def __init__(self, peer: str, key: bytes, connection_id: bytes, max_bytes: int, window: int,
                  pool: BufferPool | None, silence: float):
@@ -248,12 +263,13 @@ class BulkInbox:
         self.window = max(min(window, 2 * max_bytes), max_bytes)
         self._pool = pool
         self._silence = silence
-        # Reentrant: a BulkFrame collected (a cycle) on a thread inside this lock drops its
-        # transfer through it.
         self._changed = threading.Condition(threading.RLock())
         self._transfers: dict[int, _Transfer] = {}
         self._held = 0  # bytes of transfers allocated and not yet handed to a decoder
-        self._unnamed = 0  # of those, transfers no message named yet
+        self._unnamed: deque[int] = deque()  # ids of allocated transfers no message named, in order
+        self._unnamed_bytes = 0
+        self._unnamed_count = 0
+        self._dropped: deque[int] = deque()  # ids of transfers whose frames went unread (drop)
         # Called once when the link must be given up without a reader to say so (silence
         # before any connection): set by the receiver.
         self.on_silent: Callable[[str], None] | None = None
@@ -263,6 +279,7 @@ class BulkInbox:
         self.error: str | None = None
         self.connected = False
         self.sock: socket.socket | None = None
+        self.draining = False  # the peer said GOODBYE: read what it sent, take nothing new
 
     # --- the I/O thread, as a message naming transfers arrives
 
@@ -270,30 +287,40 @@ class BulkInbox:
         """A message names ``transfer_id`` of ``nbytes``: it will take it when decoded.
         Transfers before it that no message named are dropped (their message was lost)."""
         with self._changed:
+            self._drop_queued_locked()
             if transfer_id <= self._named_upto:
                 raise RemoteProtocolError(f"bulk transfer {transfer_id} from {self.peer!r} named twice or out of order")
-            for old in [t for t in self._transfers.values() if t.transfer_id < transfer_id and not t.taken]:
-                self._drop_locked(old)
+            unnamed = self._unnamed
+            while unnamed and unnamed[0] < transfer_id:  # in id order: each is looked at once
+                old = self._transfers.get(unnamed[0])
+                if old is not None and not old.taken:
+                    self._drop_locked(old)
+                else:
+                    unnamed.popleft()
             self._named_upto = transfer_id
             transfer = self._transfers.get(transfer_id)
             if transfer is None:
                 transfer = self._transfers[transfer_id] = _Transfer(transfer_id, nbytes)
             elif transfer.nbytes != nbytes:
+                self._drop_locked(transfer)
                 raise RemoteProtocolError(f"bulk transfer {transfer_id} from {self.peer!r} is {transfer.nbytes} bytes, "
                                           f"its message says {nbytes}")
-            elif transfer.view is not None:
-                self._unnamed -= 1
-                self._changed.notify_all()
+            else:
+                self._forget_unnamed_locked(transfer)
             transfer.taken = True
 
     # --- the decoding thread
 
     def take(self, transfer_id: int) -> memoryview:
         """The bytes of a named transfer, once all arrived (waiting for them). Raises
-        BulkError if the connection breaks or brings nothing for ``silence`` seconds."""
+        BulkError if the connection breaks, brings nothing for ``silence`` seconds, or
+        brings this transfer slower than FLOOR_RATE (a member trickling bytes cannot hold
+        the thread that waits)."""
         began = time.monotonic()
         with self._changed:
+            self._drop_queued_locked()
             transfer = self._transfers.get(transfer_id)
+            deadline = began + self._silence + (transfer.nbytes if transfer is not None else 0) / FLOOR_RATE
             while True:
                 if transfer is None:
                     raise BulkError(self.error or f"bulk transfer {transfer_id} from {self.peer!r} was dropped")
@@ -304,15 +331,19 @@ class BulkInbox:
                 if view is not None and transfer.received == transfer.nbytes:
                     del self._transfers[transfer_id]
                     self._held -= transfer.nbytes
-                    self._changed.notify_all()  # a reader may wait for room
                     return view
                 if self.error is not None:
                     self._drop_locked(transfer)
                     raise BulkError(self.error)
-                waited = time.monotonic() - max(self._progress, began)  # (an idle link made none)
+                now = time.monotonic()
+                waited = now - max(self._progress, began)  # (an idle link made none)
                 if waited > self._silence:
                     reason = (f"no bulk data from {self.peer!r} for {waited:.0f} s: transfer {transfer_id} has "
                               f"{transfer.received} of {transfer.nbytes} bytes")
+                    break
+                if now > deadline:
+                    reason = (f"bulk transfer {transfer_id} from {self.peer!r} too slow: {transfer.received} of "
+                              f"{transfer.nbytes} bytes in {now - began:.0f} s")
                     break
                 self._changed.wait(min(1.0, self._silence))
         # The connection is stuck mid-transfer: nothing after it can come either. Cut it;
@@ -328,17 +359,28 @@ class BulkInbox:
             return transfer is not None and transfer.view is not None and transfer.received == transfer.nbytes
 
     def drop(self, transfer_id: int) -> None:
-        """A message that named ``transfer_id`` went unread: its bytes are not needed."""
-        with self._changed:
-            transfer = self._transfers.get(transfer_id)
+        """A message that named ``transfer_id`` went unread: its bytes are not needed. Only
+        queued here (this runs from a finalizer, which may fire inside any lock, the pool's
+        included); the inbox's next user lets them go."""
+        self._dropped.append(transfer_id)
+
+    def _drop_queued_locked(self) -> None:
+        dropped = self._dropped
+        while dropped:
+            transfer = self._transfers.get(dropped.popleft())
             if transfer is not None:
                 self._drop_locked(transfer)
+
+    def _forget_unnamed_locked(self, transfer: _Transfer) -> None:
+        if transfer.view is not None and not transfer.taken:
+            self._unnamed_bytes -= transfer.nbytes
+            self._unnamed_count -= 1
+            self._changed.notify_all()  # a reader may wait for room
 
     def _drop_locked(self, transfer: _Transfer) -> None:
         if self._transfers.pop(transfer.transfer_id, None) is not None and transfer.view is not None:
             self._held -= transfer.nbytes
-            if not transfer.taken:
-                self._unnamed -= 1
+            self._forget_unnamed_locked(transfer)
             self._changed.notify_all()
         transfer.view = None
         transfer.block = None
@@ -347,37 +389,34 @@ class BulkInbox:
 
     def start(self, transfer_id: int, total: int, hung_up: Callable[[], bool]) -> _Transfer | None:
         """A transfer's first record arrived: the transfer to fill (None: drop its bytes).
-        Waits for room under the window first: the peer waits with it (unless it hangs up:
-        ``hung_up``, then BulkError)."""
+        One no message named yet waits for room first: the peer waits with it (unless it
+        hangs up: ``hung_up``, then EOFError)."""
         if not MIN_BULK_BYTES <= total <= self.max_bytes:
             raise BulkError(f"bulk transfer {transfer_id} from {self.peer!r} of {total} bytes: the limits are "
                             f"{MIN_BULK_BYTES} and {self.max_bytes} (max_message_bytes)")
         if transfer_id <= self._last_arrived:
             raise BulkError(f"bulk transfer {transfer_id} from {self.peer!r} after transfer {self._last_arrived}")
         with self._changed:
+            self._drop_queued_locked()
             self._last_arrived = transfer_id
             transfer = self._transfers.get(transfer_id)
-            if transfer is None and transfer_id <= self._named_upto:
-                return None  # its message came and went (dropped unread)
-            if transfer is not None and transfer.nbytes != total:
-                raise BulkError(f"bulk transfer {transfer_id} from {self.peer!r} is {total} bytes, its message says "
-                                f"{transfer.nbytes}")
-            # Room: bytes under the window (a pool block is at most twice what it holds), and
-            # a bounded number of transfers that no message named.
-            while self.error is None and (self._held + total > self.window or (
-                    transfer is None and self._unnamed >= MAX_UNNAMED_TRANSFERS)):
+            while self.error is None and transfer is None and not self.draining and (
+                    self._unnamed_bytes + total > self.window or self._unnamed_count >= MAX_UNNAMED_TRANSFERS):
                 self._progress = time.monotonic()  # pushed back, not silent
                 if not self._changed.wait(0.5) and hung_up():
                     raise EOFError(f"the peer closed it in the middle of transfer {transfer_id}")
+                self._drop_queued_locked()
                 transfer = self._transfers.get(transfer_id)
-            if self.error is not None:
-                return None
+            if self.error is not None or (transfer is None and (transfer_id <= self._named_upto or self.draining)):
+                return None  # its message came and went (dropped unread), or no message will come
             if transfer is None:
-                if transfer_id <= self._named_upto:
-                    return None  # named and dropped while we waited
                 transfer = self._transfers[transfer_id] = _Transfer(transfer_id, total)
-            if not transfer.taken:
-                self._unnamed += 1
+                self._unnamed.append(transfer_id)
+                self._unnamed_bytes += total
+                self._unnamed_count += 1
+            elif transfer.nbytes != total:  # (checked here, after any wait: its message may be new)
+                raise BulkError(f"bulk transfer {transfer_id} from {self.peer!r} is {total} bytes, its message says "
+                                f"{transfer.nbytes}")
             transfer.block, transfer.view = self._allocate(total)
             self._held += total
             return transfer
@@ -403,11 +442,13 @@ class BulkInbox:
         self._progress = time.monotonic()
 
     def fail(self, reason: str) -> None:
-        """The connection failed or the peer is gone: every transfer fails, and what they
-        hold is freed (a decoder waiting for one gets ``reason``)."""
+        """The connection failed or the peer is gone: every transfer not both named and
+        whole fails, and what they hold is freed (a decoder waiting for one gets
+        ``reason``); whole named ones stay for their decoders."""
         with self._changed:
             if self.error is None:
                 self.error = reason
+            self._drop_queued_locked()
             for transfer in list(self._transfers.values()):
                 if transfer.received < transfer.nbytes or not transfer.taken:
                     transfer.error = reason
@@ -423,9 +464,26 @@ class BulkInbox:
             _shut(sock)
         return sock is not None
 
+    def drain(self, reason: str, within: float) -> None:
+        """The peer said GOODBYE after sending what it had (its links close before that):
+        read the rest, for the messages that came before the GOODBYE, then end; what is not
+        whole within ``within`` seconds fails with ``reason``."""
+        with self._changed:
+            self.draining = True
+            for transfer in [t for t in self._transfers.values() if not t.taken]:
+                self._drop_locked(transfer)  # no message can name them now
+            self._changed.notify_all()
+        if self.sock is None:
+            self.fail(reason)
+            return
+        timer = threading.Timer(within, self.cut, args=(reason,))
+        timer.daemon = True
+        timer.start()
+
     def held_bytes(self) -> int:
         """Bytes of transfers that arrived (or are arriving) and no decoder has taken yet."""
         with self._changed:
+            self._drop_queued_locked()
             return self._held
 
 
@@ -471,13 +529,19 @@ class BulkReceiver:
     def inbox(self, peer: str) -> BulkInbox | None:
         return self._inboxes.get(peer)
 
-    def forget(self, peer: str, reason: str) -> None:
+    def forget(self, peer: str, reason: str, drain_within: float | None = None) -> None:
+        """``peer`` is gone: its inbox is cut, or with ``drain_within`` (it said GOODBYE)
+        read to its end first, for that long at most."""
         with self._lock:
             inbox = self._inboxes.pop(peer, None)
             if inbox is not None:
                 self._by_id.pop(inbox.connection_id, None)
-        if inbox is not None:
+        if inbox is None:
+            return
+        if drain_within is None:
             self._close_inbox(inbox, reason)
+        else:
+            inbox.drain(reason, drain_within)
 
     def _close_inbox(self, inbox: BulkInbox, reason: str) -> None:
         inbox.cut(reason)
@@ -563,6 +627,7 @@ class BulkReceiver:
         inbox.connected = True
         reason: str | None
         try:
+            sock.sendall(ACK)  # the sender uses the link only once we said we know it
             sock.settimeout(None)
             _read_records(sock, inbox)
             reason = None
@@ -756,7 +821,7 @@ class BulkLinks:
 
     def __init__(self, host: str, min_bytes: int, window: int, max_bytes: int, silence: float,
                  pool: BufferPool | None, same_host: bool, connect_timeout: float,
-                 on_broken: Callable[[str, str], None], before_wait: Callable[[], None]):
+                 on_broken: Callable[[str, str, object], None], before_wait: Callable[[], None]):
         self.min_bytes = min_bytes
         self._window = window
         self._max_bytes = max_bytes
@@ -794,8 +859,12 @@ class BulkLinks:
         old = self._senders.pop(peer, None)
         if old is not None:
             old.close(time.monotonic())
-        self._senders[peer] = BulkSender(peer, (peer_host, port), key, connection_id, self._sender_broken,
-                                         self._connect_timeout)
+        try:
+            self._senders[peer] = BulkSender(peer, (peer_host, port), key, connection_id, self._sender_broken,
+                                             self._connect_timeout)
+        except RuntimeError as exc:  # no thread to be had (a pids limit): its big buffers stay on the socket
+            log.warning("bulk: no thread for the bulk connection to %s (%s); its big buffers go through the socket",
+                        peer, exc)
 
     def uses(self, peer: str) -> bool:
         """Whether big buffers to ``peer`` go over its bulk connection now."""
@@ -838,18 +907,24 @@ class BulkLinks:
 
     def _sender_broken(self, sender: BulkSender, reason: str) -> None:
         if not self._closed and self._senders.get(sender.peer) is sender:
-            self._on_broken(sender.peer, reason)
+            self._on_broken(sender.peer, reason, sender)
 
     def _inbox_broken(self, inbox: BulkInbox, reason: str) -> None:
         if not self._closed:
-            self._on_broken(inbox.peer, reason)
+            self._on_broken(inbox.peer, reason, inbox)
 
-    def forget(self, peer: str, reason: str) -> None:
-        """``peer`` is lost: its connections go, what was queued for it is dropped."""
+    def forget(self, peer: str, reason: str, departed: bool = False) -> None:
+        """``peer`` is lost: its connections go, what was queued for it is dropped. One that
+        ``departed`` (GOODBYE) sent its big buffers before: those are read first."""
         sender = self._senders.pop(peer, None)
         if sender is not None:
             sender.close(time.monotonic())
-        self.receiver.forget(peer, reason)
+        self.receiver.forget(peer, reason, self._silence if departed else None)
+
+    def is_current(self, peer: str, link: object) -> bool:
+        """Whether ``link`` (a sender or an inbox) is ``peer``'s now: a report of an older
+        one, handled late, must not end a peer that came back."""
+        return self._senders.get(peer) is link or self.receiver.inbox(peer) is link
 
     def close(self, linger: float) -> None:
         """What is queued goes within ``linger`` seconds; then every connection is cut and

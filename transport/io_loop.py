@@ -221,12 +221,13 @@ class IoThread:
                         self.identity, host, exc)
             return None
 
-    def _bulk_broken(self: Endpoint, peer: str, reason: str) -> None:
-        """A bulk connection of ``peer`` failed (called from a bulk thread): the I/O thread
-        loses the peer, so that the calls waiting on it fail at once with the reason."""
+    def _bulk_broken(self: Endpoint, peer: str, reason: str, link: object) -> None:
+        """A bulk connection (``link``) of ``peer`` failed (called from a bulk thread): the
+        I/O thread loses the peer, so that the calls waiting on it fail at once with the
+        reason, if that is still the peer's link then."""
         with self._lock:
             if not self._closed:
-                self._post_locked(("bulk_broken", peer, reason))
+                self._post_locked(("bulk_broken", peer, reason, link))
 
     def _close_sockets(self: Endpoint, linger: float) -> None:
         bulk_links = getattr(self, "_bulk", None)
@@ -354,8 +355,9 @@ class IoThread:
                 _, peer, address = command
                 self._connect(peer, address)
             elif kind == "bulk_broken":
-                _, peer, reason = command
-                self._peer_lost(peer, reason)
+                _, peer, reason, link = command
+                if self._bulk is not None and self._bulk.is_current(peer, link):
+                    self._peer_lost(peer, reason)
             elif kind == "zap":
                 if self._zap_held:
                     self._answer_held_zap()

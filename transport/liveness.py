@@ -12,6 +12,7 @@ import zmq
 from . import lending
 from .codec import Message, MessageType
 from .errors import (
+    PeerDepartedError,
     PeerLostError,
 )
 from .peers import PeerState
@@ -84,7 +85,7 @@ class Liveness:
         # The peer may not know yet that it lost us, and still read what we lent it.
         lending.retire(lent.values(), self.options.peer_timeout)
         if self._bulk is not None:
-            self._bulk.forget(peer, str(error))
+            self._bulk.forget(peer, str(error), departed=kind is PeerDepartedError)
         self._close_rings(record)
         log.log(level, "%s", error)
         if record.address is not None:

@@ -116,6 +116,7 @@ class Relay:
         outgoing = socket.create_connection(self.target)
         try:
             outgoing.sendall(_exactly(incoming, len(bulk.MAGIC) + bulk.ID_BYTES))
+            incoming.sendall(_exactly(outgoing, len(bulk.ACK)))  # the listener knows the id
             if self.mode == "pass":
                 while data := incoming.recv(1 << 16):
                     outgoing.sendall(data)
@@ -163,6 +164,8 @@ def _new_link(sender: Endpoint, receiver: Endpoint, mode: str | None = None, key
     new key and id, through a relay doing ``mode`` (None: no relay, and the sender is not
     given it: whoever calls this speaks for the sender), under ``key`` if given. Returns the
     HELLO's bulk part and the relay."""
+    original = receiver._bulk.receiver.inbox(sender.identity)  # the HELLO's, named once connected
+    poll_until(lambda: original.connected, 10, "the sender's first link")
     info = receiver._bulk.hello(sender.identity)
     if mode is None:
         return info, None
@@ -398,3 +401,17 @@ def test_a_control_message_or_a_small_transfer_naming_bulk_bytes_is_refused_at_o
         poll_until(lambda before=before: b.stats()["a"].protocol_errors > before, 10, "the refusal")
         assert _call(a, b, ["still served"]).payload == ["still served"]
         assert not b.is_lost("a")
+
+
+def test_big_messages_sent_just_before_a_close_all_arrive(group):
+    """A sender's links send what is queued before its GOODBYE, and the receiver reads its
+    link to the end for the messages that came before the GOODBYE: none is lost."""
+    a, b = group("a"), group("b")
+    _pair(a, b)
+    _exchange_hellos(a, b)
+    for i in range(30):
+        a.send("b", Message(MessageType.PYTHON_CALL, i + 1, "a", [torch.full((1 << 16,), float(i))]))
+    a.close()
+    received = [b.recv(30).payload[0] for _ in range(30)]
+    assert [tensor[0].item() for tensor in received] == [float(i) for i in range(30)]
+    assert all(tensor.numel() == 1 << 16 for tensor in received)
