@@ -58,6 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import RemoteProtocolError
+from .lending import encode_table  # (the buffer table's format is lending's)
 from .staging import BufferPool
 from .tensors import as_buffer
 
@@ -887,7 +888,6 @@ class BulkLinks:
             out[index] = b""
         if not entries:
             return frames, 0
-        from .lending import encode_table  # (the table format is lending's)
         return [encode_table(entries), *out], len(entries)
 
     def queued_bytes(self, peer: str) -> int:

@@ -70,10 +70,7 @@ def test_an_rref_kept_for_a_child_lost_before_the_send_was_noted_is_let_go(conte
 
 
 def test_forks_of_an_unsent_message_are_taken_back(context):
-    owned = RRef.__new__(RRef)
-    owned._init_owner(context, (0, 7), "Tensor")
-    context.owner_value((0, 7)).set_result(1)
-    context.set_created((0, 7))
+    owned = _owned_value_kept(context, (0, 7))
     context.encode(owned)  # the owner registers the receiver's fork itself
     assert len(context._owned[(0, 7)].forks) == 1
     context.unsent(context.take_made())
@@ -103,6 +100,7 @@ def test_only_a_creator_deletes_a_fork_before_it_is_registered(context):
 
 
 def _owned_value_kept(rrefs: RRefContext, rref_id: tuple) -> RRef:
+    """A value this worker owns and created, and the owner's handle that keeps it."""
     owned = RRef.__new__(RRef)
     owned._init_owner(rrefs, rref_id, "Tensor")
     rrefs.owner_value(rref_id).set_result(1)
@@ -112,11 +110,7 @@ def _owned_value_kept(rrefs: RRefContext, rref_id: tuple) -> RRef:
 
 def _owned_value(rrefs: RRefContext, rref_id: tuple) -> None:
     """A value this worker owns and created, which only forks keep now."""
-    owned = RRef.__new__(RRef)
-    owned._init_owner(rrefs, rref_id, "Tensor")
-    rrefs.owner_value(rref_id).set_result(1)
-    rrefs.set_created(rref_id)
-    del owned
+    _owned_value_kept(rrefs, rref_id)  # the handle goes at once
     rrefs.flush_releases(10)  # (our handle's release)
 
 
