@@ -58,7 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import RemoteProtocolError
-from .lending import encode_table  # (the buffer table's format is lending's)
+from .lending import encode_table, host_identity  # (the buffer table's format is lending's)
 from .staging import BufferPool
 from .tensors import as_buffer
 
@@ -789,16 +789,6 @@ class BulkFrame:
 
 
 # ------------------------------------------------------------------------------ the endpoint's part
-
-
-def host_identity() -> str | None:
-    """Which host and pid namespace we run in (the boot and the namespace): peers that
-    share it lend or ring their big buffers instead (transport/lending.py, shm.py)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            return f"{boot.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return None
 
 
 def listen_host(address: str) -> str | None:

@@ -82,17 +82,21 @@ def _load_process_vm_readv() -> Callable | None:
 _process_vm_readv = _load_process_vm_readv()
 
 
-def host_key() -> str | None:
+def host_identity() -> str | None:
     """What two processes share when a pid means the same process to both: the boot (the
-    same kernel) and the pid namespace. None where this cannot be told or read."""
-    if _process_vm_readv is None or not hasattr(os, "pidfd_open"):
-        return None
+    same kernel) and the pid namespace. None where this cannot be read."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as boot:
-            boot_id = boot.read().strip()
-        return f"{boot_id}/{os.readlink('/proc/self/ns/pid')}"
+            return f"{boot.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return None
+
+
+def host_key() -> str | None:
+    """``host_identity``, where this process can also read a peer's memory (None elsewhere)."""
+    if _process_vm_readv is None or not hasattr(os, "pidfd_open"):
+        return None
+    return host_identity()
 
 
 def read_memory(pid: int, address: int, nbytes: int, into: int) -> None:
